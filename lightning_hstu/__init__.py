@@ -1,0 +1,13 @@
+"""lightning-hstu: a Lightning strategy that trains HSTU recommenders with a lookahead-ring task engine.
+
+Layers, lowest first: ``plan`` (pure data) -> ``engine`` (runs any plan) -> HSTU tasks -> strategy and
+loop -> callbacks and CLI. Lower layers never import upper ones.
+"""
+
+from .engine import SKIPPED, Engine, EngineError, StepTimeout, TaskError, TaskRecord
+from .plan import PRESET_NAMES, Plan, PlanError, Stream, get_plan, make_plan
+
+__version__ = "0.1.0"
+
+__all__ = ["Engine", "EngineError", "PRESET_NAMES", "Plan", "PlanError", "SKIPPED", "StepTimeout",
+           "Stream", "TaskError", "TaskRecord", "get_plan", "make_plan"]

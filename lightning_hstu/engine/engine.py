@@ -1,0 +1,332 @@
+"""The lookahead-ring threaded engine: executes any valid plan over an iterator of batches.
+
+Step ``k`` runs every task on batch ``k + lookahead``. The caller's thread pulls batch ``k + depth - 1``
+into the ring, hands the step to every worker thread (one per thread of the plan), and waits for all of
+them: the step barrier. Inside a step a task waits only for its plan wait edges and, if it launches
+collectives, for the previous ticket holder. The first steps (the fill) and the last ones (the drain)
+simply skip tasks whose batch does not exist, so every batch passes every task exactly once.
+"""
+
+import queue
+import sys
+import threading
+import traceback
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from time import monotonic, perf_counter
+from typing import Any
+
+from ..plan import LEGACY_THREAD, Plan
+from .errors import EngineError, StepTimeout, TaskError
+from .records import StepResult, TaskRecord
+from .ring import SKIPPED, BatchView, Ring, RingEntry
+from .schedule import Body, ScheduledTask, schedule
+from .streams import make_streams
+
+_POLL_S = 0.25
+"""How often a waiting caller wakes to notice a KeyboardInterrupt or the step timeout."""
+
+
+class _Step:
+    """What the threads of one step share: which batches exist, completion events, the first failure."""
+
+    __slots__ = ("index", "limit", "ring", "done", "ticket_prev", "records", "failure", "aborted", "_lock")
+
+    def __init__(self, index: int, limit: int | None, ring: Ring, signalled: Iterable[str],
+                 ticket_prev: Mapping[str, str]):
+        self.index, self.limit, self.ring = index, limit, ring
+        self.done = {name: threading.Event() for name in signalled}
+        self.ticket_prev = ticket_prev
+        self.records: list[TaskRecord] = []
+        self.failure: tuple[BaseException, BaseException] | None = None
+        self.aborted = False
+        self._lock = threading.Lock()
+
+    def has_batch(self, batch: int) -> bool:
+        return batch >= 0 and (self.limit is None or batch < self.limit)
+
+    def fail(self, error: BaseException, cause: BaseException) -> None:
+        """Keep the first failure (the root cause) and wake every thread waiting in this step."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = (error, cause)
+        self.abort()
+
+    def abort(self) -> None:
+        self.aborted = True
+        for event in self.done.values():
+            event.set()
+
+
+class Engine:
+    """Runs ``plan`` with one body per task. Use as a context manager, or ``start()`` and ``close()``.
+
+    ``bodies`` maps every task to ``body(batch) -> None`` (``batch`` is a ``BatchView``: its slots and
+    index) or to None when the task has nothing to do. ``device``: a CUDA device makes every task run on
+    its plan stream with per-(task, batch) events; None or a CPU device runs on the host alone.
+    ``step_timeout``: seconds after which a step that has not finished is reported and aborted (threaded
+    plans only: a legacy plan runs on the caller's thread, which cannot watch itself).
+    """
+
+    def __init__(self, plan: Plan, bodies: Mapping[str, Body | None], *, device: Any = None,
+                 step_timeout: float | None = None, join_timeout: float = 10.0):
+        self.plan = plan
+        self.step_timeout = step_timeout
+        self._program = schedule(plan, bodies)
+        self._lookahead = {t.name: t.lookahead for t in plan.tasks}
+        self._thread_of = {t.name: t.thread for t in plan.tasks}
+        self._wait_producers = frozenset(p for p, _ in plan.wait_edges)
+        self._streams = make_streams(device)
+        self._join_timeout = join_timeout
+        self._workers: dict[str, threading.Thread] = {}
+        self._inboxes: dict[str, queue.SimpleQueue] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._activity: dict[str, tuple] = {}
+        self._step_templates: dict[tuple[str, ...], tuple[tuple[str, ...], dict[str, str]]] = {}
+        self._state = "new"
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self._state != "new":
+            raise EngineError(f"engine already {self._state}; an engine starts once")
+        self._state = "running"
+        if not self.plan.legacy:
+            for thread in self.plan.threads:
+                inbox: queue.SimpleQueue = queue.SimpleQueue()
+                worker = threading.Thread(target=self._worker, args=(thread, inbox),
+                                          name=f"hstu-{thread}", daemon=True)
+                self._inboxes[thread], self._workers[thread] = inbox, worker
+                self._activity[thread] = ("idle",)
+                worker.start()
+        return self
+
+    def close(self) -> None:
+        """Stop and join every worker thread. Safe to call twice, and after a failure."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        for inbox in self._inboxes.values():
+            inbox.put(None)
+        deadline = monotonic() + self._join_timeout
+        for worker in self._workers.values():
+            worker.join(max(0.0, deadline - monotonic()))
+        stuck = [name for name, worker in self._workers.items() if worker.is_alive()]
+        if stuck:
+            warnings.warn(f"engine threads {stuck} did not stop within {self._join_timeout:g} s "
+                          f"(a task body is still running)", RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @property
+    def threads_alive(self) -> list[str]:
+        return [name for name, worker in self._workers.items() if worker.is_alive()]
+
+    # ----- running ---------------------------------------------------------------------------------
+
+    def run(self, batches: Iterable[Any]) -> list[TaskRecord]:
+        """Run every batch through every task; return all task records."""
+        return [record for result in self.steps(batches) for record in result.records]
+
+    def steps(self, batches: Iterable[Any]) -> Iterator[StepResult]:
+        """Run step by step, yielding after each step barrier (no task of the engine is running then).
+
+        Stopping the iteration early (``max_steps``) leaves the engine usable; the batches already pulled
+        into the ring are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout``.
+        """
+        if self._state != "running":
+            raise EngineError(f"engine is {self._state}; call start() (or use it as a context manager)")
+        iterator = iter(batches)
+        ring = Ring(self.plan.depth)
+        limit: int | None = None  # number of batches, once the iterator is exhausted
+        index = -(self.plan.depth - 1)  # the fill: steps before batch 0 reaches lookahead 0
+        try:
+            while True:
+                if limit is None:
+                    limit = self._pull(iterator, ring, index + self.plan.depth - 1)
+                if limit is not None and index >= limit:
+                    return
+                step = self._new_step(index, limit, ring)
+                if step is not None:
+                    self._dispatch(step)
+                    self._raise_failure(step)
+                    trained = index if step.has_batch(index) else None
+                    yield StepResult(index, trained, tuple(step.records))
+                ring.retire(index)
+                index += 1
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _pull(iterator: Iterator[Any], ring: Ring, index: int) -> int | None:
+        """Put batch ``index`` into the ring; return the batch count once the iterator is exhausted."""
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return index
+        ring.put(index, batch)
+        return None
+
+    def _new_step(self, index: int, limit: int | None, ring: Ring) -> _Step | None:
+        running = tuple(name for name, la in self._lookahead.items()
+                        if index + la >= 0 and (limit is None or index + la < limit))
+        if not running:
+            return None
+        if running not in self._step_templates:
+            self._step_templates[running] = self._step_template(running)
+        signalled, ticket_prev = self._step_templates[running]
+        return _Step(index, limit, ring, signalled, ticket_prev)
+
+    def _step_template(self, running: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+        """Which running tasks others wait for, and each collective's ticket predecessor in this step.
+
+        A collective waits for the previous collective that runs in this step; on the same thread the
+        thread order already ensures that, so only cross-thread ticket waits need an event.
+        """
+        if self.plan.legacy:
+            return (), {}
+        ticket_prev: dict[str, str] = {}
+        previous = None
+        for name in self.plan.ticket_order:
+            if name in running:
+                if previous is not None and self._thread_of[previous] != self._thread_of[name]:
+                    ticket_prev[name] = previous
+                previous = name
+        signalled = tuple(n for n in running if n in self._wait_producers or n in ticket_prev.values())
+        return signalled, ticket_prev
+
+    def _dispatch(self, step: _Step) -> None:
+        if self.plan.legacy:
+            self._run_tasks(LEGACY_THREAD, step)
+            return
+        for inbox in self._inboxes.values():
+            inbox.put(step)
+        deadline = None if self.step_timeout is None else monotonic() + self.step_timeout
+        pending = len(self._inboxes)
+        try:
+            while pending:
+                wait = _POLL_S if deadline is None else min(_POLL_S, deadline - monotonic())
+                try:
+                    self._outbox.get(timeout=max(0.0, wait))
+                    pending -= 1
+                except queue.Empty:
+                    if deadline is not None and monotonic() >= deadline:
+                        raise StepTimeout(step.index, self.step_timeout, self._describe_activity()) from None
+        except BaseException:
+            step.abort()  # wake every thread waiting in this step, so that close() can join them
+            raise
+
+    @staticmethod
+    def _raise_failure(step: _Step) -> None:
+        if step.failure is None:
+            return
+        error, cause = step.failure
+        if not isinstance(cause, Exception):
+            raise cause  # KeyboardInterrupt, SystemExit: the caller handles them as such
+        raise error from cause
+
+    # ----- worker side -----------------------------------------------------------------------------
+
+    def _worker(self, thread: str, inbox: queue.SimpleQueue) -> None:
+        setup_error: BaseException | None = None
+        try:
+            self._streams.enter_thread()
+        except BaseException as exc:  # report it with the first step rather than die silently
+            setup_error = exc
+        while (step := inbox.get()) is not None:
+            try:
+                if setup_error is not None:
+                    step.fail(EngineError(f"thread '{thread}' could not enter its device: {setup_error}"),
+                              setup_error)
+                else:
+                    self._run_tasks(thread, step)
+            except BaseException as exc:  # a bug of the engine itself: still end the step
+                step.fail(EngineError(f"engine failure on thread '{thread}': {exc}"), exc)
+            finally:
+                self._activity[thread] = ("idle",)
+                self._outbox.put(thread)
+
+    def _run_tasks(self, thread: str, step: _Step) -> None:
+        for scheduled in self._program[thread]:
+            task = scheduled.task
+            batch = step.index + task.lookahead
+            if not step.has_batch(batch):
+                continue
+            waited_from = perf_counter()
+            self._wait_for_producers(thread, scheduled, batch, step)
+            if step.aborted:
+                return
+            start = perf_counter()
+            self._activity[thread] = ("running", task.name, batch)
+            entry = step.ring.get(batch)
+            try:
+                result = self._call(scheduled, entry, step)
+            except BaseException as exc:
+                step.fail(TaskError(task.name, batch, step.index, thread, exc), exc)
+                return
+            end = perf_counter()
+            done = step.done.get(task.name)
+            if done is not None:
+                done.set()
+            step.records.append(TaskRecord(task.name, batch, step.index, thread, start, end,
+                                           start - waited_from, result is SKIPPED))
+
+    def _wait_for_producers(self, thread: str, scheduled: ScheduledTask, batch: int, step: _Step) -> None:
+        name = scheduled.task.name
+        for producer in scheduled.host_waits:
+            self._wait(thread, step, producer, ("waiting for", producer, name, batch))
+        holder = step.ticket_prev.get(name)
+        if holder is not None:
+            self._wait(thread, step, holder, ("waiting for the ticket after", holder, name, batch))
+
+    def _wait(self, thread: str, step: _Step, producer: str, activity: tuple) -> None:
+        done = step.done.get(producer)  # absent: the producer does not run in this step
+        if done is not None and not done.is_set():
+            self._activity[thread] = activity
+            done.wait()
+
+    def _call(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step) -> Any:
+        if not self._streams.enabled:
+            return SKIPPED if scheduled.body is None else scheduled.body(BatchView(entry, scheduled.task, step.index))
+        streams, task = self._streams, scheduled.task
+        with streams.use(task.stream):
+            for edge in scheduled.stream_inputs:
+                batch = entry.index if edge.same_batch else step.index + edge.producer_lookahead
+                if not step.has_batch(batch):
+                    continue  # a sync producer with nothing to do in this step
+                producer_entry = entry if edge.same_batch else step.ring.get(batch)
+                streams.wait(task.stream, producer_entry.events[edge.producer])
+                for slot in edge.slots:
+                    streams.keep_alive(entry.slots.get(slot), task.stream)
+            result = SKIPPED if scheduled.body is None else scheduled.body(BatchView(entry, task, step.index))
+            entry.events[task.name] = streams.record(task.stream)
+        return result
+
+    def _describe_activity(self) -> dict[str, str]:
+        frames = sys._current_frames()
+        report = {}
+        for thread, worker in self._workers.items():
+            activity = self._activity.get(thread, ("idle",))
+            text = _format_activity(activity)
+            frame = frames.get(worker.ident)
+            if activity[0] != "idle" and frame is not None:
+                stack = "".join(traceback.format_stack(frame)[-6:])
+                text += "\n" + "\n".join("      " + line for line in stack.rstrip().splitlines())
+            report[thread] = text
+        return report
+
+
+def _format_activity(activity: tuple) -> str:
+    if activity[0] == "running":
+        return f"running task '{activity[1]}' on batch {activity[2]}"
+    if activity[0] == "idle":
+        return "idle (finished its tasks of the step)"
+    what, producer, task, batch = activity
+    return f"{what} '{producer}' before task '{task}' on batch {batch}"

@@ -1,0 +1,86 @@
+"""CUDA streams and per-(task, batch) events for the engine; on CPU every operation is a no-op.
+
+Stream, current device and autocast are thread-local in PyTorch, so each worker enters its device
+itself (``enter_thread``) and each task runs under its own stream (``use``).
+"""
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from ..plan import Stream
+
+
+class NullStreams:
+    """No CUDA: tasks run on the host only and need no events."""
+
+    enabled = False
+
+    def enter_thread(self) -> None:
+        pass
+
+
+class CudaStreams:
+    """One CUDA stream per plan stream on one device; ``default`` is the caller's current stream."""
+
+    enabled = True
+
+    def __init__(self, device: Any):
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self._streams = {s: (torch.cuda.current_stream(self.device) if s == Stream.DEFAULT
+                             else torch.cuda.Stream(device=self.device)) for s in Stream}
+
+    def enter_thread(self) -> None:
+        self._torch.cuda.set_device(self.device)
+
+    def stream(self, which: Stream) -> Any:
+        return self._streams[which]
+
+    def use(self, which: Stream) -> contextlib.AbstractContextManager:
+        return self._torch.cuda.stream(self._streams[which])
+
+    def record(self, which: Stream) -> Any:
+        event = self._torch.cuda.Event()
+        event.record(self._streams[which])
+        return event
+
+    def wait(self, which: Stream, event: Any) -> None:
+        self._streams[which].wait_event(event)
+
+    def keep_alive(self, value: Any, which: Stream) -> None:
+        """Protect ``value``'s memory until the work queued so far on ``which`` is done.
+
+        The caching allocator would otherwise reuse a tensor made on the producer's stream as soon as
+        the producer frees it, while the consumer's stream may still be reading it.
+        """
+        _record_stream(value, self._streams[which], self._torch)
+
+
+def _record_stream(value: Any, stream: Any, torch: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif hasattr(value, "record_stream"):  # KeyedJaggedTensor and other torchrec Pipelineables
+        value.record_stream(stream)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_stream(item, stream, torch)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _record_stream(item, stream, torch)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _record_stream(getattr(value, field.name), stream, torch)
+
+
+def make_streams(device: Any) -> NullStreams | CudaStreams:
+    """CUDA streams when ``device`` is a CUDA device, else the no-op set."""
+    if device is None:
+        return NullStreams()
+    import torch
+
+    device = torch.device(device)
+    return CudaStreams(device) if device.type == "cuda" else NullStreams()

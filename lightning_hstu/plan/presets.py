@@ -1,0 +1,90 @@
+"""The d3 and d6 cascades, the six thread maps and the nine named presets of SPEC §4."""
+
+from collections.abc import Mapping, Sequence
+
+from .errors import PlanError
+from .plan import Plan, build_plan
+from .tasks import HSTU_TASK_NAMES, hstu_tasks
+
+CASCADES: Mapping[str, Mapping[str, int]] = {
+    # Tasks not named run at lookahead 0 (this step's batch).
+    "d3": {"h2d": 2, "start_shuffle": 2, "finish_shuffle": 2,
+           "start_input_dist": 1, "wait_input_dist": 1, "prefetch_embeddings": 1},
+    "d6": {"h2d": 5, "start_shuffle": 4, "finish_shuffle": 3,
+           "start_input_dist": 3, "wait_input_dist": 2, "prefetch_embeddings": 1},
+}
+
+_IO = ("h2d", "start_shuffle", "finish_shuffle")
+_DATA_DIST = ("start_input_dist", "wait_input_dist")
+_PREFETCH = ("prefetch_embeddings",)
+
+
+def _split(*groups: tuple[str, tuple[str, ...]]) -> dict[str, str]:
+    """Thread map from named groups of tasks; every task not in a group runs on "compute"."""
+    placed = {task: thread for thread, tasks in groups for task in tasks}
+    return {task: placed.get(task, "compute") for task in HSTU_TASK_NAMES}
+
+
+THREAD_MAPS: Mapping[str, Mapping[str, str]] = {
+    "default": _split(("io", _IO)),
+    "by_stream": {t.name: str(t.stream) for t in hstu_tasks()},
+    "per_task": {name: name for name in HSTU_TASK_NAMES},
+    "io_prefetch_compute": _split(("io", _IO), ("prefetch", _PREFETCH)),
+    "io_data_dist_compute": _split(("io", _IO), ("data_dist", _DATA_DIST)),
+    "full_split": _split(("io", _IO), ("data_dist", _DATA_DIST), ("prefetch", _PREFETCH)),
+}
+
+PRESETS: Mapping[str, tuple[str, str | None]] = {
+    # preset name: (cascade, thread map; None = every task on the caller's thread)
+    "legacy_none": ("d3", None),
+    "default_d3": ("d3", "default"),
+    "by_stream_d3": ("d3", "by_stream"),
+    "per_task_d3": ("d3", "per_task"),
+    "io_prefetch_compute_d3": ("d3", "io_prefetch_compute"),
+    "io_data_dist_compute_d3": ("d3", "io_data_dist_compute"),
+    "full_split_d3": ("d3", "full_split"),
+    "default_d6": ("d6", "default"),
+    "full_split_d6": ("d6", "full_split"),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+
+
+def get_plan(name: str, *, prefetch: bool = True) -> Plan:
+    """The plan of a named preset; an unknown name raises ``PlanError`` listing the valid ones."""
+    if name not in PRESETS:
+        raise PlanError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    cascade, thread_map = PRESETS[name]
+    return make_plan(cascade, thread_map, prefetch, name=name)
+
+
+def make_plan(
+    cascade: str | Mapping[str, int] = "d6",
+    thread_map: str | Mapping[str, str] | None = "default",
+    prefetch: bool = True,
+    *,
+    ticket_order: Sequence[str] | None = None,
+    name: str = "custom",
+) -> Plan:
+    """A plan of the fourteen HSTU tasks.
+
+    ``cascade``: "d3", "d6" or a mapping task -> lookahead (tasks not named get 0).
+    ``thread_map``: a name of ``THREAD_MAPS``, None for the single-threaded legacy order, or a mapping
+    task -> thread name covering every task exactly once.
+    ``prefetch``: order this step's embedding-cache prefetch before its backward (a sync edge).
+    ``ticket_order``: the collective tasks in launch order (default: plan order).
+    """
+    if isinstance(cascade, str):
+        if cascade not in CASCADES:
+            raise PlanError(f"unknown cascade {cascade!r}; valid cascades: {', '.join(CASCADES)} "
+                            f"or a mapping task -> lookahead")
+        lookahead, cascade_label = CASCADES[cascade], cascade
+    else:
+        lookahead, cascade_label = cascade, "custom"
+    if isinstance(thread_map, str):
+        if thread_map not in THREAD_MAPS:
+            raise PlanError(f"unknown thread map {thread_map!r}; valid thread maps: "
+                            f"{', '.join(THREAD_MAPS)}, None (legacy) or a mapping task -> thread")
+        thread_map = THREAD_MAPS[thread_map]
+    return build_plan(hstu_tasks(prefetch), lookahead, thread_map, ticket_order=ticket_order,
+                      name=name, cascade=cascade_label)
