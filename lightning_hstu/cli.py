@@ -1,2 +1,99 @@
-def main():
-    pass
+"""The ``lightning-hstu`` command: inspect plans (``presets``) and run the toy demo (``demo``)."""
+
+import argparse
+import json
+import sys
+
+from .plan import PRESET_NAMES, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except PlanError as error:
+        print(f"lightning-hstu: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-hstu", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="command")
+
+    presets = commands.add_parser("presets", help="print the presets' plans, or a custom plan")
+    presets.add_argument("names", nargs="*", help="presets to show (default: all nine)")
+    _add_custom_plan_args(presets)
+    presets.add_argument("--verbose", "-v", action="store_true", help="one block per plan, with tickets")
+    presets.set_defaults(run=_presets)
+
+    demo = commands.add_parser("demo", help="run a plan over a toy CPU workload and print per-task timing")
+    demo.add_argument("--preset", default="default_d6", help=f"one of: {', '.join(PRESET_NAMES)}")
+    _add_custom_plan_args(demo)
+    demo.add_argument("--steps", type=int, default=64, help="batches to train (default 64)")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def _add_custom_plan_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("custom plan (instead of a preset)")
+    group.add_argument("--cascade", help='"d3", "d6" or JSON {"task": lookahead, ...}')
+    group.add_argument("--thread-map",
+                       help=f'{", ".join(THREAD_MAPS)}, "none" (legacy) or JSON {{"task": "thread", ...}}')
+    group.add_argument("--no-prefetch", action="store_true", help="no prefetch_embeddings -> backward sync")
+    group.add_argument("--ticket-order", help="collective tasks in launch order, comma-separated")
+
+
+def _custom_plan(args: argparse.Namespace) -> Plan | None:
+    if args.cascade is None and args.thread_map is None and args.ticket_order is None and not args.no_prefetch:
+        return None
+    cascade = _json_or_name(args.cascade or "d6", "--cascade")
+    thread_map = args.thread_map or "default"
+    thread_map = None if thread_map == "none" else _json_or_name(thread_map, "--thread-map")
+    tickets = args.ticket_order.split(",") if args.ticket_order else None
+    return make_plan(cascade, thread_map, not args.no_prefetch, ticket_order=tickets)
+
+
+def _json_or_name(text: str, option: str):
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanError(f"{option} is not valid JSON: {error}") from None
+
+
+def _presets(args: argparse.Namespace) -> int:
+    custom = _custom_plan(args)
+    plans = [custom] if custom is not None else [get_plan(n) for n in (args.names or PRESET_NAMES)]
+    if args.verbose:
+        print("\n\n".join(plan.describe() for plan in plans))
+    else:
+        print(format_preset_table(plans))
+    return 0
+
+
+def format_preset_table(plans: list[Plan]) -> str:
+    """One row per plan, like the seed's table: name, cascade, depth, threads with their tasks, waits."""
+    rows = [("preset", "cascade", "depth", "threads (task@lookahead)", "waits")]
+    for plan in plans:
+        threads = " | ".join(f"{thread}: " + " ".join(f"{n}@{plan.task(n).lookahead}" for n in names)
+                             for thread, names in plan.threads.items())
+        waits = ", ".join(f"{p}->{c}" for p, c in plan.sorted_wait_edges()) or "none"
+        rows.append((plan.name, plan.cascade, str(plan.depth), f"({len(plan.threads)}) {threads}", waits))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4] for row in rows)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import demo
+
+    if args.steps < 1:
+        raise PlanError(f"--steps must be at least 1, got {args.steps}")
+    plan = _custom_plan(args) or get_plan(args.preset)
+    print(demo(plan, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

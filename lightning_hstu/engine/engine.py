@@ -13,10 +13,11 @@ import threading
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from time import monotonic, perf_counter
 from typing import Any
 
-from ..plan import LEGACY_THREAD, Plan
+from ..plan import LEGACY_THREAD, Plan, Stream
 from .errors import EngineError, StepTimeout, TaskError
 from .records import StepResult, TaskRecord
 from .ring import SKIPPED, BatchView, Ring, RingEntry
@@ -27,20 +28,105 @@ _POLL_S = 0.25
 """How often a waiting caller wakes to notice a KeyboardInterrupt or the step timeout."""
 
 
+class _Signal:
+    """Set once, waited on by any number of threads. A bare C lock: ``threading.Event`` is a Python-level
+    Condition and cost most of the engine's per-task overhead with one thread per task."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already set (by the producer, or by an abort)
+            pass
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self, timeout: float = -1) -> bool:
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+
+@dataclass(frozen=True)
+class _StepShape:
+    """What follows from which tasks run in a step (all of them, or fewer in the fill and the drain).
+
+    Derived once per shape from the plan's wait edges and ticket order, then reused for every step.
+    """
+
+    threads: tuple[str, ...]
+    """Threads with at least one task in this step; the others are not woken."""
+    signalled: tuple[str, ...]
+    """Running tasks that another thread waits for."""
+    ticket_prev: Mapping[str, str]
+    """Collective -> the collective before it in this step, where that one runs on another thread
+    (on the same thread, the thread's own order already ensures it)."""
+    gates: Mapping[str, tuple[str, tuple[str, ...]]]
+    """Thread -> (its first task, the producers that task waits for). Such a thread is handed the step only
+    when they are done: waking it earlier would only make it block again (a thread switch costs tens of
+    microseconds under the GIL on a small machine)."""
+    opens: Mapping[str, tuple[str, ...]]
+    """Producer -> the gated threads whose gate its completion counts towards."""
+
+
 class _Step:
-    """What the threads of one step share: which batches exist, completion events, the first failure."""
+    """What the threads of one step share: which batches exist, completion signals, the first failure."""
 
-    __slots__ = ("index", "limit", "ring", "done", "ticket_prev", "records", "failure", "aborted", "_lock")
+    __slots__ = ("index", "limit", "ring", "shape", "done", "records", "failure", "aborted", "finished",
+                 "_inboxes", "_gates", "_threads_left", "_lock")
 
-    def __init__(self, index: int, limit: int | None, ring: Ring, signalled: Iterable[str],
-                 ticket_prev: Mapping[str, str]):
-        self.index, self.limit, self.ring = index, limit, ring
-        self.done = {name: threading.Event() for name in signalled}
-        self.ticket_prev = ticket_prev
+    def __init__(self, index: int, limit: int | None, ring: Ring, shape: _StepShape,
+                 inboxes: Mapping[str, queue.SimpleQueue]):
+        self.index, self.limit, self.ring, self.shape = index, limit, ring, shape
+        self.done = {name: _Signal() for name in shape.signalled}
         self.records: list[TaskRecord] = []
         self.failure: tuple[BaseException, BaseException] | None = None
         self.aborted = False
+        self.finished = _Signal()
+        """The step barrier: set by the last thread to finish its tasks of this step."""
+        self._inboxes = inboxes
+        self._gates = {thread: len(producers) for thread, (_, producers) in shape.gates.items()}
+        self._threads_left = len(shape.threads)
         self._lock = threading.Lock()
+
+    def dispatch(self) -> None:
+        """Hand the step to every thread that can start now; gated ones follow as their producers finish."""
+        for thread in self.shape.threads:
+            if thread not in self._gates:
+                self._inboxes[thread].put(self)
+
+    def task_done(self, name: str) -> None:
+        done = self.done.get(name)
+        if done is None:
+            return
+        done.set()
+        for thread in self.shape.opens.get(name, ()):
+            with self._lock:
+                self._gates[thread] -= 1
+                ready = self._gates[thread] == 0
+            if ready:
+                self._inboxes[thread].put(self)
+
+    def thread_finished(self) -> None:
+        # One wake-up of the caller per step, not one per thread.
+        with self._lock:
+            self._threads_left -= 1
+            last = self._threads_left == 0
+        if last:
+            self.finished.set()
+
+    def gate_of(self, thread: str) -> tuple[str, tuple[str, ...]] | None:
+        """(first task, producers) if ``thread`` has not been handed the step yet, else None."""
+        with self._lock:
+            waiting = self._gates.get(thread, 0) > 0
+        return self.shape.gates[thread] if waiting else None
 
     def has_batch(self, batch: int) -> bool:
         return batch >= 0 and (self.limit is None or batch < self.limit)
@@ -53,9 +139,16 @@ class _Step:
         self.abort()
 
     def abort(self) -> None:
+        """Wake every waiter and hand the step to every gated thread, so that each one finishes it."""
         self.aborted = True
-        for event in self.done.values():
-            event.set()
+        for signal in self.done.values():
+            signal.set()
+        with self._lock:
+            gated = [thread for thread, left in self._gates.items() if left > 0]
+            for thread in gated:
+                self._gates[thread] = 0
+        for thread in gated:
+            self._inboxes[thread].put(self)
 
 
 class Engine:
@@ -80,9 +173,9 @@ class Engine:
         self._join_timeout = join_timeout
         self._workers: dict[str, threading.Thread] = {}
         self._inboxes: dict[str, queue.SimpleQueue] = {}
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._activity: dict[str, tuple] = {}
-        self._step_templates: dict[tuple[str, ...], tuple[tuple[str, ...], dict[str, str]]] = {}
+        self._host_waits = {s.task.name: s.host_waits for tasks in self._program.values() for s in tasks}
+        self._step_shapes: dict[tuple[str, ...], _StepShape] = {}
         self._state = "new"
 
     # ----- lifecycle -------------------------------------------------------------------------------
@@ -121,6 +214,10 @@ class Engine:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+    def stream(self, which: Stream) -> Any:
+        """The CUDA stream that tasks of stream ``which`` run on (None without CUDA)."""
+        return self._streams.stream(which)
 
     @property
     def threads_alive(self) -> list[str]:
@@ -179,19 +276,13 @@ class Engine:
                         if index + la >= 0 and (limit is None or index + la < limit))
         if not running:
             return None
-        if running not in self._step_templates:
-            self._step_templates[running] = self._step_template(running)
-        signalled, ticket_prev = self._step_templates[running]
-        return _Step(index, limit, ring, signalled, ticket_prev)
+        if running not in self._step_shapes:
+            self._step_shapes[running] = self._step_shape(running)
+        return _Step(index, limit, ring, self._step_shapes[running], self._inboxes)
 
-    def _step_template(self, running: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
-        """Which running tasks others wait for, and each collective's ticket predecessor in this step.
-
-        A collective waits for the previous collective that runs in this step; on the same thread the
-        thread order already ensures that, so only cross-thread ticket waits need an event.
-        """
+    def _step_shape(self, running: tuple[str, ...]) -> _StepShape:
         if self.plan.legacy:
-            return (), {}
+            return _StepShape((LEGACY_THREAD,), (), {}, {}, {})
         ticket_prev: dict[str, str] = {}
         previous = None
         for name in self.plan.ticket_order:
@@ -200,25 +291,32 @@ class Engine:
                     ticket_prev[name] = previous
                 previous = name
         signalled = tuple(n for n in running if n in self._wait_producers or n in ticket_prev.values())
-        return signalled, ticket_prev
+        first_task = {}
+        for name in running:
+            first_task.setdefault(self._thread_of[name], name)
+        gates, opens = {}, {}
+        for thread, name in first_task.items():
+            producers = {p for p in self._host_waits[name] if p in running}
+            producers |= {ticket_prev[name]} if name in ticket_prev else set()
+            if producers:
+                gates[thread] = (name, tuple(sorted(producers)))
+                for producer in producers:
+                    opens[producer] = opens.get(producer, ()) + (thread,)
+        threads = tuple(t for t in self.plan.threads if t in first_task)
+        return _StepShape(threads, signalled, ticket_prev, gates, opens)
 
     def _dispatch(self, step: _Step) -> None:
         if self.plan.legacy:
             self._run_tasks(LEGACY_THREAD, step)
             return
-        for inbox in self._inboxes.values():
-            inbox.put(step)
+        step.dispatch()
         deadline = None if self.step_timeout is None else monotonic() + self.step_timeout
-        pending = len(self._inboxes)
         try:
-            while pending:
-                wait = _POLL_S if deadline is None else min(_POLL_S, deadline - monotonic())
-                try:
-                    self._outbox.get(timeout=max(0.0, wait))
-                    pending -= 1
-                except queue.Empty:
-                    if deadline is not None and monotonic() >= deadline:
-                        raise StepTimeout(step.index, self.step_timeout, self._describe_activity()) from None
+            # Wake now and then to let a KeyboardInterrupt in and to check the deadline.
+            while not step.finished.wait(_POLL_S if deadline is None
+                                         else max(0.0, min(_POLL_S, deadline - monotonic()))):
+                if deadline is not None and monotonic() >= deadline:
+                    raise StepTimeout(step.index, self.step_timeout, self._describe_activity(step))
         except BaseException:
             step.abort()  # wake every thread waiting in this step, so that close() can join them
             raise
@@ -251,7 +349,7 @@ class Engine:
                 step.fail(EngineError(f"engine failure on thread '{thread}': {exc}"), exc)
             finally:
                 self._activity[thread] = ("idle",)
-                self._outbox.put(thread)
+                step.thread_finished()
 
     def _run_tasks(self, thread: str, step: _Step) -> None:
         for scheduled in self._program[thread]:
@@ -272,9 +370,7 @@ class Engine:
                 step.fail(TaskError(task.name, batch, step.index, thread, exc), exc)
                 return
             end = perf_counter()
-            done = step.done.get(task.name)
-            if done is not None:
-                done.set()
+            step.task_done(task.name)
             step.records.append(TaskRecord(task.name, batch, step.index, thread, start, end,
                                            start - waited_from, result is SKIPPED))
 
@@ -282,7 +378,7 @@ class Engine:
         name = scheduled.task.name
         for producer in scheduled.host_waits:
             self._wait(thread, step, producer, ("waiting for", producer, name, batch))
-        holder = step.ticket_prev.get(name)
+        holder = step.shape.ticket_prev.get(name)
         if holder is not None:
             self._wait(thread, step, holder, ("waiting for the ticket after", holder, name, batch))
 
@@ -309,11 +405,15 @@ class Engine:
             entry.events[task.name] = streams.record(task.stream)
         return result
 
-    def _describe_activity(self) -> dict[str, str]:
+    def _describe_activity(self, step: _Step) -> dict[str, str]:
         frames = sys._current_frames()
         report = {}
         for thread, worker in self._workers.items():
             activity = self._activity.get(thread, ("idle",))
+            gate = step.gate_of(thread)
+            if gate is not None:
+                task, producers = gate
+                activity = ("waiting for", "', '".join(producers), task, step.index + self._lookahead[task])
             text = _format_activity(activity)
             frame = frames.get(worker.ident)
             if activity[0] != "idle" and frame is not None:
@@ -327,6 +427,6 @@ def _format_activity(activity: tuple) -> str:
     if activity[0] == "running":
         return f"running task '{activity[1]}' on batch {activity[2]}"
     if activity[0] == "idle":
-        return "idle (finished its tasks of the step)"
+        return "idle (no task of this step left)"
     what, producer, task, batch = activity
     return f"{what} '{producer}' before task '{task}' on batch {batch}"

@@ -3,11 +3,12 @@
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class TaskRecord:
-    """One run of one task on one batch. Times are ``time.perf_counter()`` seconds on the host."""
+class TaskRecord(NamedTuple):
+    """One run of one task on one batch. Times are ``time.perf_counter()`` seconds on the host.
+    (A named tuple: one is made per task per step, on the hot path.)"""
 
     task: str
     batch: int

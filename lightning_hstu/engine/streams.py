@@ -19,6 +19,9 @@ class NullStreams:
     def enter_thread(self) -> None:
         pass
 
+    def stream(self, which: Stream) -> None:
+        return None
+
 
 class CudaStreams:
     """One CUDA stream per plan stream on one device; ``default`` is the caller's current stream."""

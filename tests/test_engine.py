@@ -1,0 +1,130 @@
+"""The engine on every preset: every batch through every task once, in edge order, same results as the
+sequential baseline; fill, drain, early stop; records."""
+
+import threading
+
+import pytest
+
+from invariants import assert_all_invariants
+from tracing import TracingWorkload
+
+from lightning_hstu import PRESET_NAMES, SKIPPED, Engine, EngineError, PlanError, get_plan
+from lightning_hstu.engine import format_summary, summarize
+
+
+def run_workload(plan, batches, **kwargs):
+    workload = TracingWorkload(plan, **kwargs)
+    with Engine(plan, workload.bodies()) as engine:
+        records = engine.run(range(batches))
+    return workload, records
+
+
+@pytest.fixture(scope="module")
+def legacy_result():
+    workload, _ = run_workload(get_plan("legacy_none"), 11)
+    return workload
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_keeps_the_invariants_and_matches_legacy(name, legacy_result):
+    plan = get_plan(name)
+    workload, records = run_workload(plan, 11, max_delay_s=0.0005, seed=PRESET_NAMES.index(name))
+    assert_all_invariants(plan, workload.runs, 11)
+    # d6 runs its tasks on the same batches, only earlier: results equal the d3 legacy run
+    assert workload.outputs == legacy_result.outputs
+    assert workload.weights == legacy_result.weights
+    assert len(records) == 11 * len(plan.tasks)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("name", ["legacy_none", "per_task_d3", "full_split_d6"])
+@pytest.mark.parametrize("batches", [0, 1, 2, 3, 5, 6])
+def test_fewer_batches_than_the_ring(name, batches):
+    plan = get_plan(name)
+    workload, _ = run_workload(plan, batches)
+    assert_all_invariants(plan, workload.runs, batches)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_threads_run_their_tasks_on_the_planned_thread():
+    plan = get_plan("full_split_d6")
+    workload, records = run_workload(plan, 8)
+    for run in workload.runs:
+        assert run.thread == f"hstu-{plan.task(run.task).thread}"
+    assert {r.thread for r in records} == set(plan.threads)
+
+
+def test_legacy_runs_on_the_callers_thread():
+    plan = get_plan("legacy_none")
+    workload, _ = run_workload(plan, 4)
+    assert {r.thread for r in workload.runs} == {threading.current_thread().name}
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_steps_fill_then_train_then_drain():
+    plan = get_plan("default_d6")
+    workload = TracingWorkload(plan)
+    with Engine(plan, workload.bodies()) as engine:
+        results = list(engine.steps(range(8)))
+    assert [r.step for r in results] == list(range(-5, 8))
+    assert [r.batch for r in results] == [None] * 5 + list(range(8))
+    first = {rec.task for rec in results[0].records}
+    assert first == {"h2d"}  # the fill: only the deepest lookahead has a batch
+    last = {rec.task for rec in results[-1].records}
+    assert last == {t.name for t in plan.tasks if t.lookahead == 0}  # the drain
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_stopping_early_keeps_the_engine_for_the_next_epoch():
+    plan = get_plan("full_split_d3")
+    workload = TracingWorkload(plan)
+    with Engine(plan, workload.bodies()) as engine:
+        for result in engine.steps(range(10)):
+            if result.batch == 3:
+                break  # max_steps / limit_train_batches cut the epoch short
+        trained = {r.batch for r in workload.runs if r.task == "optimizer_step"}
+        assert trained == {0, 1, 2, 3}
+        workload.runs.clear()
+        engine.run(range(4))
+    assert_all_invariants(plan, workload.runs, 4)
+
+
+def test_records_mark_skipped_tasks_and_time_waits():
+    plan = get_plan("default_d6")
+    workload = TracingWorkload(plan)
+    bodies = workload.bodies()
+    bodies["start_shuffle"] = None  # nothing to do: skipped
+    bodies["finish_shuffle"] = lambda batch: (batch.__setitem__("shuffled_batch", batch["device_batch"]), SKIPPED)[1]
+    with Engine(plan, bodies) as engine:
+        records = engine.run(range(6))
+    by_task = {}
+    for r in records:
+        by_task.setdefault(r.task, []).append(r)
+    assert all(r.skipped for r in by_task["start_shuffle"] + by_task["finish_shuffle"])
+    assert not any(r.skipped for r in by_task["forward"])
+    assert all(r.wait >= 0 and r.end >= r.start for r in records)
+    table = format_summary(summarize(records, [t.name for t in plan.tasks]))
+    assert "start_shuffle" in table and "wait ms" in table
+
+
+def test_bodies_must_cover_the_plan():
+    plan = get_plan("default_d3")
+    bodies = {t.name: None for t in plan.tasks}
+    with pytest.raises(PlanError, match="no body for task 'watchdog'"):
+        Engine(plan, {k: v for k, v in bodies.items() if k != "watchdog"})
+    with pytest.raises(PlanError, match="unknown task 'fwd'"):
+        Engine(plan, {**bodies, "fwd": None})
+
+
+def test_an_engine_must_be_started_and_starts_once():
+    plan = get_plan("default_d3")
+    engine = Engine(plan, {t.name: None for t in plan.tasks})
+    with pytest.raises(EngineError, match="call start"):
+        list(engine.steps(range(2)))
+    engine.start()
+    with pytest.raises(EngineError, match="starts once"):
+        engine.start()
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        list(engine.steps(range(2)))
