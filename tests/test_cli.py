@@ -1,0 +1,61 @@
+"""The ``lightning-hstu`` command a user runs: the presets table, a custom plan, the demo."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_hstu import PRESET_NAMES
+from lightning_hstu.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_presets_prints_one_row_per_preset_with_threads_and_waits(capsys):
+    code, out, _ = run_cli(capsys, "presets")
+    assert code == 0
+    rows = out.strip().splitlines()
+    assert rows[0].split()[:3] == ["preset", "cascade", "depth"]
+    assert [row.split()[0] for row in rows[1:]] == list(PRESET_NAMES)
+    d6 = next(row for row in rows if row.startswith("default_d6"))
+    assert "io: h2d@5 start_shuffle@4 finish_shuffle@3 | compute:" in d6
+    assert d6.rstrip().endswith("finish_shuffle->start_input_dist")
+    d3 = next(row for row in rows if row.startswith("default_d3"))
+    assert d3.rstrip().endswith("none")
+
+
+def test_presets_shows_a_custom_plan(capsys):
+    code, out, _ = run_cli(capsys, "presets", "-v", "--cascade", '{"h2d": 1}', "--thread-map", "per_task")
+    assert code == 0
+    assert "custom: cascade custom, depth 2, 14 threads" in out
+    assert "waits: h2d -> start_shuffle" not in out  # different lookaheads: no wait
+
+
+def test_bad_plans_exit_2_with_the_plan_error(capsys):
+    code, _, err = run_cli(capsys, "presets", "default_d4")
+    assert code == 2
+    assert "unknown preset 'default_d4'; valid presets: legacy_none, default_d3" in err
+    code, _, err = run_cli(capsys, "presets", "--thread-map", '{"h2d": "io"}')
+    assert code == 2 and "thread_map misses tasks 'start_shuffle'" in err
+    code, _, err = run_cli(capsys, "presets", "--cascade", "{not json")
+    assert code == 2 and "--cascade is not valid JSON" in err
+
+
+def test_demo_trains_the_toy_model_and_prints_per_task_timing(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--preset", "full_split_d3", "--steps", "6")
+    assert code == 0
+    assert "losses identical to legacy_none: True" in out
+    table = out[out.index("task "):]
+    for task in ("h2d", "forward", "watchdog"):
+        assert any(line.split()[:3] == [task, line.split()[1], "6"] for line in table.splitlines()
+                   if line.startswith(task + " "))
+
+
+def test_the_console_script_is_installed():
+    script = Path(sys.executable).parent / "lightning-hstu"
+    result = subprocess.run([str(script), "presets", "legacy_none"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].startswith("legacy_none")
