@@ -128,3 +128,22 @@ def test_an_engine_must_be_started_and_starts_once():
     engine.close()
     with pytest.raises(EngineError, match="closed"):
         list(engine.steps(range(2)))
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_before_step_sees_the_batch_about_to_train_and_can_end_the_run():
+    plan = get_plan("default_d6")
+    workload = TracingWorkload(plan)
+    seen = []
+    with Engine(plan, workload.bodies()) as engine:
+        def before_step(step):
+            if step >= 0:
+                slots = engine.slots(step)  # batch `step` reaches lookahead 0 in this step
+                seen.append((step, slots["batch"], "device_batch" in slots, "loss" in slots))
+                with pytest.raises(TypeError):
+                    slots["batch"] = 0  # read-only for the caller
+            return step < 4
+
+        results = list(engine.steps(range(100, 110), before_step))
+    assert seen == [(k, 100 + k, True, False) for k in range(5)]
+    assert [r.batch for r in results][-1] == 3  # step 4 never ran

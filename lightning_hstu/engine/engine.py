@@ -12,9 +12,10 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from time import monotonic, perf_counter
+from types import MappingProxyType
 from typing import Any
 
 from ..plan import LEGACY_THREAD, Plan, Stream
@@ -176,6 +177,7 @@ class Engine:
         self._activity: dict[str, tuple] = {}
         self._host_waits = {s.task.name: s.host_waits for tasks in self._program.values() for s in tasks}
         self._step_shapes: dict[tuple[str, ...], _StepShape] = {}
+        self._ring: Ring | None = None
         self._state = "new"
 
     # ----- lifecycle -------------------------------------------------------------------------------
@@ -229,16 +231,19 @@ class Engine:
         """Run every batch through every task; return all task records."""
         return [record for result in self.steps(batches) for record in result.records]
 
-    def steps(self, batches: Iterable[Any]) -> Iterator[StepResult]:
+    def steps(self, batches: Iterable[Any],
+              before_step: Callable[[int], bool] | None = None) -> Iterator[StepResult]:
         """Run step by step, yielding after each step barrier (no task of the engine is running then).
 
-        Stopping the iteration early (``max_steps``) leaves the engine usable; the batches already pulled
-        into the ring are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout``.
+        ``before_step(k)`` runs on the caller's thread once step ``k``'s batch is in the ring and before
+        any of its tasks start (``slots(k)`` shows that batch then); returning False ends the run there.
+        Stopping early (``max_steps``) leaves the engine usable; the batches already pulled into the ring
+        are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout``.
         """
         if self._state != "running":
             raise EngineError(f"engine is {self._state}; call start() (or use it as a context manager)")
         iterator = iter(batches)
-        ring = Ring(self.plan.depth)
+        self._ring = ring = Ring(self.plan.depth)
         limit: int | None = None  # number of batches, once the iterator is exhausted
         index = -(self.plan.depth - 1)  # the fill: steps before batch 0 reaches lookahead 0
         try:
@@ -246,6 +251,8 @@ class Engine:
                 if limit is None:
                     limit = self._pull(iterator, ring, index + self.plan.depth - 1)
                 if limit is not None and index >= limit:
+                    return
+                if before_step is not None and not before_step(index):
                     return
                 step = self._new_step(index, limit, ring)
                 if step is not None:
@@ -260,6 +267,12 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def slots(self, index: int) -> Mapping[str, Any]:
+        """The slots of batch ``index`` of the current run, read-only; call it between steps only."""
+        if self._ring is None:
+            raise EngineError("no run in progress")
+        return MappingProxyType(self._ring.get(index).slots)
 
     @staticmethod
     def _pull(iterator: Iterator[Any], ring: Ring, index: int) -> int | None:
