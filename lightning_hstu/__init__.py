@@ -6,8 +6,9 @@ loop -> callbacks and CLI. Lower layers never import upper ones.
 
 from .engine import SKIPPED, Engine, EngineError, StepTimeout, TaskError, TaskRecord
 from .plan import PRESET_NAMES, Plan, PlanError, Stream, get_plan, make_plan
+from .strategies import HSTUPipelineStrategy  # registers "hstu_<preset>" with Lightning
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineError", "PRESET_NAMES", "Plan", "PlanError", "SKIPPED", "StepTimeout",
+__all__ = ["Engine", "EngineError", "HSTUPipelineStrategy", "PRESET_NAMES", "Plan", "PlanError", "SKIPPED", "StepTimeout",
            "Stream", "TaskError", "TaskRecord", "get_plan", "make_plan"]

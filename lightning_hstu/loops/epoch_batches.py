@@ -1,0 +1,80 @@
+"""The batches of one training epoch, pulled from Lightning's data fetcher for the engine's ring."""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+class EpochBatches:
+    """Yields the epoch's batches to the engine, which pulls ``depth - 1`` of them ahead of training.
+
+    - It stops at the epoch's batch count (``limit_train_batches``), so the ring never pulls a batch the
+      epoch will not train.
+    - Ranks agree on the end of data: before each batch every rank says whether it has one, and all stop
+      at the first rank's end (``all_ranks_have``), so a rank with fewer batches never hangs the others.
+    - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
+      loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
+      trained, not the state of a loader that is already ``depth - 1`` batches ahead.
+    """
+
+    def __init__(self, fetcher: _DataFetcher, *, start: int, stop: int | float, keep_states: int,
+                 all_ranks_have: Callable[[bool], bool]):
+        self.start = start
+        """Batches of this epoch trained before this run began (a mid-epoch resume)."""
+        self.count: int | None = None
+        """Batches this run yields, known once the data (or the epoch's limit) has ended."""
+        self._fetcher = fetcher
+        self._stop = stop
+        self._all_ranks_have = all_ranks_have
+        loader = fetcher.combined_loader
+        self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
+        self._keep_states = keep_states
+        self._states: dict[int, list[dict[str, Any]]] = {}
+
+    @property
+    def stateful(self) -> bool:
+        return self._stateful
+
+    def skip(self, batches: int) -> None:
+        """Fast-forward a loader without state past the batches trained before a mid-epoch resume."""
+        for skipped in range(batches):
+            try:
+                next(self._fetcher)
+            except StopIteration:
+                raise RuntimeError(f"resuming mid-epoch needs {batches} batches to skip, but the train "
+                                   f"dataloader ended after {skipped}: it is not the loader of the run "
+                                   f"that saved the checkpoint") from None
+
+    def __iter__(self) -> Iterator[Any]:
+        self._snapshot()
+        index = self.start
+        while index < self._stop:
+            try:
+                batch, _, _ = next(self._fetcher)
+                has_batch = True
+            except StopIteration:
+                batch, has_batch = None, False
+            if not self._all_ranks_have(has_batch):
+                if has_batch:
+                    rank_zero_warn("another rank ran out of training data first; every rank ends the epoch "
+                                   "there, so the rest of this rank's batches are not trained this epoch")
+                break
+            self._snapshot()
+            yield batch
+            index += 1
+        self.count = index - self.start
+
+    def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
+        """The stateful loaders' state when they had produced ``produced`` batches of this epoch."""
+        return self._states.get(produced)
+
+    def _snapshot(self) -> None:
+        if not self._stateful:
+            return
+        produced = self._fetcher.fetched
+        self._states[produced] = self._fetcher.combined_loader._state_dicts()
+        for old in [n for n in self._states if n < produced - self._keep_states]:
+            del self._states[old]

@@ -1,0 +1,204 @@
+"""Lightning's training epoch loop, run by the engine.
+
+Lightning's own per-batch sequence is kept, split around the engine's steps: before step ``k`` (on the
+caller's thread, no task running) batch ``k`` is announced (progress ``ready``, logger, the
+``on_train_batch_start`` hooks, ``started``); during step ``k`` the engine runs its lookahead-0 tasks
+(zero_grad, training_step, backward, optimizer_step) while other threads prepare the next batches;
+after step ``k`` batch ``k`` is finished (``processed``, LR schedulers, ``on_train_batch_end`` hooks,
+``completed``, metrics) and validation, checkpointing and early stopping run as usual.
+"""
+
+import contextlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.loops.fetchers import _DataFetcher, _DataLoaderIterDataFetcher
+from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from typing_extensions import override
+
+from ..engine import Engine, StepResult
+from .epoch_batches import EpochBatches
+from .lightning_tasks import LightningTasks, TrainBatch
+
+if TYPE_CHECKING:
+    from ..strategies.hstu_pipeline import HSTUPipelineStrategy
+
+_warnings = WarningCache()
+
+
+class EngineEpochLoop(_TrainingEpochLoop):
+    def __init__(self, trainer, min_steps, max_steps, strategy: "HSTUPipelineStrategy"):
+        super().__init__(trainer, min_steps, max_steps)
+        self._strategy = strategy
+        self._tasks = LightningTasks(trainer)
+        self._engine: Engine | None = None
+        self._batches: EpochBatches | None = None
+
+    # ----- the epoch -------------------------------------------------------------------------------
+
+    @override
+    def run(self, data_fetcher: _DataFetcher) -> None:
+        self.reset()
+        self.on_run_start(data_fetcher)
+        if self._resume_validation(data_fetcher) or self.done:
+            return
+        if isinstance(data_fetcher, _DataLoaderIterDataFetcher):
+            raise RuntimeError("HSTUPipelineStrategy feeds batches to training_step(batch, batch_idx); "
+                               "a training_step that takes a dataloader_iter is not supported")
+        start = self.batch_progress.current.ready  # batches of this epoch trained before a resume
+        self._batches = EpochBatches(data_fetcher, start=start, stop=self.trainer.num_training_batches,
+                                     keep_states=self._strategy.plan.depth + 2,
+                                     all_ranks_have=self._strategy.all_ranks_have)
+        if start and not self._batches.stateful:
+            self._batches.skip(start)
+            data_fetcher.fetched -= start  # on_run_start already counted them, as for a stateful loader
+        engine = self._start_engine()
+        try:
+            with contextlib.closing(engine.steps(self._batches, self._before_step)) as steps:
+                for result in steps:
+                    self._strategy.step_records.extend(result.records)
+                    if result.batch is None:
+                        continue  # the fill: no batch reached lookahead 0 yet
+                    self._finish_batch(result)
+                    try:
+                        self.on_advance_end(data_fetcher)
+                    finally:
+                        self.on_iteration_done()
+                    if self.done:
+                        break
+        finally:
+            self._batches = None
+            self._tasks.current = None
+
+    def _resume_validation(self, data_fetcher: _DataFetcher) -> bool:
+        """What Lightning's ``advance`` does first when restarting from a checkpoint saved around validation."""
+        resumed_here = False
+        if self.restarting and self._should_check_val_fx(data_fetcher):
+            if self.val_loop.restarted_mid_evaluation or self.restarted_on_last:
+                # finish the interrupted validation (or skip the one already done), as Lightning would
+                self._skip_next_val = self.restarted_on_last
+                try:
+                    self.on_advance_end(data_fetcher)
+                finally:
+                    self.on_iteration_done()
+                resumed_here = self.done
+            else:
+                self.val_loop.increment_progress_to_evaluation_end()
+        self.val_loop.restarting = False
+        return resumed_here
+
+    def _start_engine(self) -> Engine:
+        if self._engine is None:
+            device = self.trainer.strategy.root_device
+            self._engine = Engine(self._strategy.plan, self._tasks.bodies(),
+                                  device=device if device.type == "cuda" else None,
+                                  step_timeout=self._strategy.step_timeout).start()
+            self._strategy._engine = self._engine
+        return self._engine
+
+    # ----- around each step ------------------------------------------------------------------------
+
+    def _before_step(self, step: int) -> bool:
+        """Announce batch ``step`` to Lightning before its lookahead-0 tasks run; False ends the epoch."""
+        if step < 0:
+            return True
+        trainer = self.trainer
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            self._broadcast_sigterm_tensor()
+        batch = self._engine.slots(step)["shuffled_batch"]
+        batch_idx = self.batch_idx + 1
+        self.batch_progress.is_last_batch = self._is_last(step)
+        self.batch_progress.increment_ready()
+        trainer._logger_connector.on_batch_start(batch)
+        if batch is None:
+            _warnings.warn("train_dataloader yielded None. If this was on purpose, ignore this warning...")
+            self._tasks.current = TrainBatch(step, batch_idx, OrderedDict(), False, skip=True)
+            return True
+        call._call_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
+        response = call._call_lightning_module_hook(trainer, "on_train_batch_start", batch, batch_idx)
+        call._call_strategy_hook(trainer, "on_train_batch_start", batch, batch_idx)
+        if response == -1:  # the module asks to skip the rest of the epoch
+            self.batch_progress.increment_by(0, is_last_batch=True)
+            self.batch_progress.increment_processed()
+            self.update_lr_schedulers("step", update_plateau_schedulers=False)
+            self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+            return False
+        self.batch_progress.increment_started()
+        kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
+        self._tasks.current = TrainBatch(step, batch_idx, kwargs, self._should_accumulate())
+        return True
+
+    def _finish_batch(self, result: StepResult) -> None:
+        """Lightning's end of a batch, after the step that trained it."""
+        trainer = self.trainer
+        current = self._tasks.current
+        closure = current.result
+        outputs = {} if closure is None or closure.loss is None else closure.asdict()
+        self.batch_progress.increment_processed()
+        self.update_lr_schedulers("step", update_plateau_schedulers=False)
+        if self._num_ready_batches_reached():
+            self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+        batch = current.kwargs.get("batch")
+        if not current.skip:
+            call._call_callback_hooks(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
+            call._call_lightning_module_hook(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
+        trainer._logger_connector.on_batch_end()
+        self.batch_progress.increment_completed()
+        trainer._logger_connector.update_train_step_metrics()
+        self._strategy.step_records = []
+
+    def _is_last(self, step: int) -> bool:
+        # The ring has pulled ahead, so the end of data is usually known already (always with depth >= 2).
+        if self._batches.count is not None:
+            return step == self._batches.count - 1
+        return self._batches.start + step + 1 >= self.trainer.num_training_batches
+
+    # ----- checkpoints and teardown ----------------------------------------------------------------
+
+    def loader_state_to_save(self) -> list[dict[str, Any]] | None:
+        """During an epoch: the loader state from before the oldest batch not yet trained."""
+        if self._batches is None or not self._batches.stateful:
+            return None
+        return self._batches.loader_state(self.batch_progress.current.ready)
+
+    def close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    @override
+    def teardown(self) -> None:
+        self.close_engine()
+        super().teardown()
+
+
+class EngineFitLoop(_FitLoop):
+    """Lightning's fit loop; only what a checkpoint saves of the dataloader changes."""
+
+    epoch_loop: EngineEpochLoop
+
+    @override
+    def on_save_checkpoint(self) -> dict:
+        state = super().on_save_checkpoint()
+        loader_state = self.epoch_loop.loader_state_to_save()
+        if loader_state is not None:
+            state["combined_loader"] = loader_state
+        return state
+
+
+def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> None:
+    """Replace the trainer's fit loop by one whose epoch loop is the engine, keeping its settings."""
+    old = trainer.fit_loop
+    loop = EngineFitLoop(trainer, min_epochs=old.min_epochs, max_epochs=old.max_epochs)
+    loop._data_source = old._data_source
+    epoch_loop = EngineEpochLoop(trainer, old.epoch_loop.min_steps, old.epoch_loop.max_steps, strategy)
+    epoch_loop.val_loop = old.epoch_loop.val_loop
+    loop.epoch_loop = epoch_loop
+    trainer.fit_loop = loop
+
+
+__all__ = ["EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]

@@ -1,0 +1,172 @@
+"""Task bodies that do what Lightning's automatic optimization does, cut at the engine's task boundaries.
+
+Lightning runs zero_grad, training_step and backward inside a closure it hands to ``optimizer.step``.
+Here they are separate tasks built from Lightning's own pieces (``_make_zero_grad_fn``,
+``_training_step``, ``_make_backward_fn``, ``_optimizer_step``), and ``optimizer_step`` gets a closure
+that returns the loss already computed. The hooks therefore run in this order: on_before_zero_grad,
+optimizer_zero_grad, training_step, backward hooks, optimizer_step, on_before_optimizer_step, gradient
+clipping, step; weights come out the same as under Lightning's loop.
+
+Tasks a plain LightningModule has nothing for (the shuffle, TorchRec input dist, prefetch, global token
+count, gradient finalisation, watchdog) pass their input through and are recorded as skipped.
+"""
+
+import contextlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+from ..engine import SKIPPED, BatchView
+
+_warnings = WarningCache()
+
+
+@dataclass
+class TrainBatch:
+    """Lightning's state for the batch at lookahead 0, prepared on the caller's thread before its step."""
+
+    index: int
+    """The engine's batch index in this run."""
+    batch_idx: int
+    """Lightning's batch index in the epoch (differs from ``index`` after a mid-epoch resume)."""
+    kwargs: OrderedDict
+    """Arguments of ``training_step``."""
+    should_accumulate: bool
+    """Accumulate gradients: no optimizer step, no gradient sync after this batch."""
+    skip: bool = False
+    """The loader yielded None: Lightning warns and trains nothing on this batch."""
+    result: ClosureResult | None = None
+    no_sync: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """Holds DDP's no_sync from forward to the end of backward while accumulating."""
+
+
+class LightningTasks:
+    """Bodies for every HSTU task, for an ordinary LightningModule with automatic optimization."""
+
+    def __init__(self, trainer: "pl.Trainer"):
+        self.trainer = trainer
+        self.current: TrainBatch | None = None
+        # Lightning's hook machinery (`_current_fx_name`, profilers, the result collection) is not
+        # thread-safe; the tasks that call into it hold this lock. Only lookahead-0 tasks do.
+        self._lightning = threading.RLock()
+
+    def bodies(self) -> dict[str, Any]:
+        return {
+            "h2d": self.h2d,
+            "start_shuffle": _passthrough({}, {"workloads": None}),
+            "finish_shuffle": _passthrough({"device_batch": "shuffled_batch"}),
+            "start_input_dist": _passthrough({}, {"input_dist_splits": None}),
+            "wait_input_dist": _passthrough({}, {"sparse_input": None}),
+            "prefetch_embeddings": _passthrough({}, {"cache_prefetched": None}),
+            "zero_grad": self.zero_grad,
+            "global_tokens_allreduce": _passthrough({}, {"global_tokens": None}),
+            "compute_output_dist": _passthrough({}, {"embeddings": None}),
+            "forward": self.forward,
+            "backward": self.backward,
+            "finalize_model_grads": _passthrough({}, {"reduced_grads": None}),
+            "optimizer_step": self.optimizer_step,
+            "watchdog": None,
+        }
+
+    # ----- the io side: runs ahead, on another thread, so it must not touch Lightning's hook state ---
+
+    def h2d(self, b: BatchView) -> None:
+        """Lightning's batch transfer: convert_input, then the three transfer hooks of the module (or
+        datamodule). The hooks are called directly rather than through Lightning's hook caller, which
+        would rename the hook being run while training_step may be logging on another thread."""
+        trainer = self.trainer
+        batch = trainer.precision_plugin.convert_input(b["batch"])
+        batch = self._data_hook("on_before_batch_transfer")(batch, 0)
+        batch = self._data_hook("transfer_batch_to_device")(batch, trainer.strategy.root_device, 0)
+        b["device_batch"] = self._data_hook("on_after_batch_transfer")(batch, 0)
+
+    def _data_hook(self, name: str):
+        return getattr(self.trainer._data_connector._datahook_selector.get_instance(name), name)
+
+    # ----- lookahead 0: what Lightning's automatic optimization does --------------------------------
+
+    def zero_grad(self, b: BatchView) -> Any:
+        batch = self._batch(b)
+        if batch.skip:
+            b["grads_cleared"] = False
+            return SKIPPED
+        with self._lightning:
+            zero_grad = self._automatic._make_zero_grad_fn(batch.batch_idx, self._optimizer)
+            if zero_grad is None:  # inside an accumulation window
+                b["grads_cleared"] = False
+                return SKIPPED
+            zero_grad()
+        b["grads_cleared"] = True
+
+    def forward(self, b: BatchView) -> Any:
+        batch = self._batch(b)
+        if batch.skip:
+            b["loss"] = None
+            return SKIPPED
+        strategy = self.trainer.strategy
+        with self._lightning:
+            if batch.should_accumulate and not strategy.handles_gradient_accumulation:
+                batch.no_sync.enter_context(_block_parallel_sync_behavior(strategy, block=True))
+            batch.result = self._automatic._training_step(batch.kwargs)
+        b["loss"] = batch.result
+
+    def backward(self, b: BatchView) -> Any:
+        batch = self._batch(b)
+        b["grads"] = not batch.skip
+        if batch.skip:
+            return SKIPPED
+        result: ClosureResult = b["loss"]
+        with self._lightning, batch.no_sync:
+            if result.closure_loss is None:
+                _warnings.warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
+            else:
+                backward = self._automatic._make_backward_fn(self._optimizer)
+                if backward is not None:
+                    backward(result.closure_loss)
+
+    def optimizer_step(self, b: BatchView) -> Any:
+        batch = self._batch(b)
+        accumulating = batch.should_accumulate and not self.trainer.strategy.handles_gradient_accumulation
+        b["stepped"] = not (accumulating or batch.skip)
+        if accumulating or batch.skip:
+            return SKIPPED
+        result = batch.result
+        with self._lightning:
+            # Lightning's optimizer_step hook, precision plugin and gradient clipping run as usual; the
+            # closure they call returns the loss that forward and backward already produced.
+            self._automatic._optimizer_step(batch.batch_idx, lambda: result.loss)
+
+    # ----- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def _automatic(self):
+        return self.trainer.fit_loop.epoch_loop.automatic_optimization
+
+    @property
+    def _optimizer(self):
+        return self.trainer.optimizers[0]
+
+    def _batch(self, b: BatchView) -> TrainBatch:
+        batch = self.current
+        if batch is None or batch.index != b.index:
+            # The caller prepares batch k before step k; anything else is an engine bug, not user error.
+            raise RuntimeError(f"lookahead-0 task got batch {b.index}, but the loop prepared "
+                               f"{None if batch is None else batch.index}")
+        return batch
+
+
+def _passthrough(copies: dict[str, str], constants: dict[str, Any] | None = None):
+    """A body for a task with nothing to do: copy slots through (or write constants), record as skipped."""
+    def body(b: BatchView) -> Any:
+        for source, target in copies.items():
+            b[target] = b[source]
+        for target, value in (constants or {}).items():
+            b[target] = value
+        return SKIPPED
+    return body

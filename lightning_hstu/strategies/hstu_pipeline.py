@@ -1,0 +1,117 @@
+"""HSTUPipelineStrategy: Lightning's DDP strategy whose training epoch loop is the engine."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ..engine import Engine, TaskRecord
+from ..plan import PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
+
+
+def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookahead: Mapping[str, int] | str | None,
+                 prefetch: bool) -> Plan:
+    """The preset's plan, with its thread map and/or lookaheads replaced when given (validated the same way)."""
+    if preset not in PRESETS:
+        raise PlanError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    if thread_map is None and lookahead is None:
+        return get_plan(preset, prefetch=prefetch)
+    cascade, preset_map = PRESETS[preset]
+    return make_plan(lookahead if lookahead is not None else cascade,
+                     thread_map if thread_map is not None else preset_map, prefetch)
+
+
+class HSTUPipelineStrategy(DDPStrategy):
+    """Trains with the lookahead-ring threaded engine under one of the nine presets (or a custom plan).
+
+    Args:
+        preset: one of ``lightning_hstu.PRESET_NAMES``.
+        thread_map: replaces the preset's thread map: a thread-map name or ``{task: thread}``.
+        lookahead: replaces the preset's cascade: ``"d3"``, ``"d6"`` or ``{task: lookahead}``.
+        prefetch: order each step's embedding prefetch before its backward.
+        step_timeout: seconds after which a step that has not finished is reported (with what every
+            engine thread was doing) and training stops; None waits forever.
+        **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
+
+    A bad preset, thread map or lookahead raises ``PlanError`` here, i.e. at ``Trainer(...)``.
+    """
+
+    strategy_name = "hstu_pipeline"
+
+    def __init__(self, preset: str = "default_d6", *, thread_map: Mapping[str, str] | str | None = None,
+                 lookahead: Mapping[str, int] | str | None = None, prefetch: bool = True,
+                 step_timeout: float | None = 600.0, **ddp_kwargs: Any):
+        super().__init__(**ddp_kwargs)
+        self.plan = resolve_plan(preset, thread_map, lookahead, prefetch)
+        if self.plan.task("finish_shuffle").lookahead < 1:
+            raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
+                            "on_train_batch_start hooks receive the training batch before its step runs")
+        self.preset = preset
+        self.step_timeout = step_timeout
+        self.step_records: list[TaskRecord] = []
+        """Task records of the engine steps since the previous ``on_train_batch_end`` (for callbacks)."""
+        self._engine: Engine | None = None
+        self._data_group: Any = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for preset in PRESET_NAMES:
+            strategy_registry.register(f"hstu_{preset}", cls, description=f"HSTU engine, preset {preset}",
+                                       preset=preset)
+
+    @override
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                "HSTUPipelineStrategy supports automatic optimization only: the engine runs zero_grad, "
+                "training_step, backward and optimizer_step as separate tasks, which manual optimization "
+                "does inside training_step. Use strategy='ddp' for this module.")
+        if len(trainer.optimizers) != 1 or isinstance(trainer.optimizers[0], torch.optim.LBFGS):
+            raise MisconfigurationException(
+                "HSTUPipelineStrategy needs exactly one optimizer that evaluates its closure once "
+                f"(got {[type(o).__name__ for o in trainer.optimizers]})")
+        from ..loops import install_engine_loop
+
+        install_engine_loop(trainer, self)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            # Ranks agree on the end of data over a group of their own, so the agreement never interleaves
+            # with the collectives the tasks launch on the default group.
+            self._data_group = dist.new_group(backend="gloo")
+
+    def all_ranks_have(self, has_batch: bool) -> bool:
+        """Whether every rank has a next batch (True on a single process when this one has)."""
+        if self._data_group is None:
+            return has_batch
+        flag = torch.tensor([int(has_batch)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._data_group)
+        return bool(flag.item())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._close_engine()
+
+    @override
+    def teardown(self) -> None:
+        self._close_engine()
+        super().teardown()
+
+    def _close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
