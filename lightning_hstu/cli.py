@@ -1,20 +1,48 @@
-"""The ``lightning-hstu`` command: inspect plans (``presets``) and run the toy demo (``demo``)."""
+"""The ``lightning-hstu`` command: train (``fit``, a LightningCLI), inspect plans (``presets``), run the toy
+demo (``demo``)."""
 
 import argparse
 import json
 import sys
 
-from .plan import PRESET_NAMES, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+from .plan import PRESET_NAMES, PRESETS, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
+        if words and words[0] in LIGHTNING_SUBCOMMANDS:
+            run_lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
+            return 0
+        args = _parser().parse_args(words)
         return args.run(args)
     except PlanError as error:
         print(f"lightning-hstu: error: {error}", file=sys.stderr)
         return 2
+
+
+def run_lightning_cli(argv: list[str] | None) -> None:
+    """``lightning-hstu fit --config cfg.yaml``: Lightning's own CLI, with the strategy an ordinary argument
+    (``--trainer.strategy=hstu_full_split_d6``, or ``class_path: lightning_hstu.HSTUPipelineStrategy``
+    with ``init_args: {preset: ...}``). Model and data are chosen by ``class_path`` in the config."""
+    from lightning.pytorch.cli import LightningCLI
+
+    class HSTULightningCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            _check_strategy_name(config.trainer.strategy)
+
+    HSTULightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
+                     save_config_kwargs={"overwrite": True})
+
+
+def _check_strategy_name(strategy) -> None:
+    # Lightning's own error for an unknown name lists every strategy it knows; name ours precisely.
+    if isinstance(strategy, str) and strategy.startswith("hstu_") and strategy[5:] not in PRESETS:
+        raise PlanError(f"unknown strategy {strategy!r}; the HSTU strategies are: "
+                        f"{', '.join('hstu_' + name for name in PRESET_NAMES)}")
 
 
 def _parser() -> argparse.ArgumentParser:

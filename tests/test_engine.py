@@ -147,3 +147,15 @@ def test_before_step_sees_the_batch_about_to_train_and_can_end_the_run():
         results = list(engine.steps(range(100, 110), before_step))
     assert seen == [(k, 100 + k, True, False) for k in range(5)]
     assert [r.batch for r in results][-1] == 3  # step 4 never ran
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_a_run_can_number_its_batches_from_a_resume_point():
+    plan = get_plan("full_split_d6")
+    workload = TracingWorkload(plan)
+    with Engine(plan, workload.bodies()) as engine:
+        results = list(engine.steps(range(4), start=7))
+    assert [r.batch for r in results if r.batch is not None] == [7, 8, 9, 10]
+    assert results[0].step == 7 - (plan.depth - 1)
+    assert sorted({r.batch for r in workload.runs}) == [7, 8, 9, 10]
+    assert all(r.batch == r.step + plan.task(r.task).lookahead for r in workload.runs)

@@ -80,12 +80,12 @@ class _StepShape:
 class _Step:
     """What the threads of one step share: which batches exist, completion signals, the first failure."""
 
-    __slots__ = ("index", "limit", "ring", "shape", "done", "records", "failure", "aborted", "finished",
+    __slots__ = ("index", "first", "limit", "ring", "shape", "done", "records", "failure", "aborted", "finished",
                  "_inboxes", "_gates", "_threads_left", "_lock")
 
-    def __init__(self, index: int, limit: int | None, ring: Ring, shape: _StepShape,
+    def __init__(self, index: int, first: int, limit: int | None, ring: Ring, shape: _StepShape,
                  inboxes: Mapping[str, queue.SimpleQueue]):
-        self.index, self.limit, self.ring, self.shape = index, limit, ring, shape
+        self.index, self.first, self.limit, self.ring, self.shape = index, first, limit, ring, shape
         self.done = {name: _Signal() for name in shape.signalled}
         self.records: list[TaskRecord] = []
         self.failure: tuple[BaseException, BaseException] | None = None
@@ -130,7 +130,7 @@ class _Step:
         return self.shape.gates[thread] if waiting else None
 
     def has_batch(self, batch: int) -> bool:
-        return batch >= 0 and (self.limit is None or batch < self.limit)
+        return batch >= self.first and (self.limit is None or batch < self.limit)
 
     def fail(self, error: BaseException, cause: BaseException) -> None:
         """Keep the first failure (the root cause) and wake every thread waiting in this step."""
@@ -231,9 +231,12 @@ class Engine:
         """Run every batch through every task; return all task records."""
         return [record for result in self.steps(batches) for record in result.records]
 
-    def steps(self, batches: Iterable[Any],
-              before_step: Callable[[int], bool] | None = None) -> Iterator[StepResult]:
+    def steps(self, batches: Iterable[Any], before_step: Callable[[int], bool] | None = None, *,
+              start: int = 0) -> Iterator[StepResult]:
         """Run step by step, yielding after each step barrier (no task of the engine is running then).
+
+        The batches are numbered from ``start`` (a run that resumes an epoch numbers its batches as the
+        epoch does); step ``k`` trains batch ``k``.
 
         ``before_step(k)`` runs on the caller's thread once step ``k``'s batch is in the ring and before
         any of its tasks start (``slots(k)`` shows that batch then); returning False ends the run there.
@@ -244,8 +247,8 @@ class Engine:
             raise EngineError(f"engine is {self._state}; call start() (or use it as a context manager)")
         iterator = iter(batches)
         self._ring = ring = Ring(self.plan.depth)
-        limit: int | None = None  # number of batches, once the iterator is exhausted
-        index = -(self.plan.depth - 1)  # the fill: steps before batch 0 reaches lookahead 0
+        limit: int | None = None  # the end of the batch numbers, once the iterator is exhausted
+        index = start - (self.plan.depth - 1)  # the fill: steps before the first batch reaches lookahead 0
         try:
             while True:
                 if limit is None:
@@ -254,7 +257,7 @@ class Engine:
                     return
                 if before_step is not None and not before_step(index):
                     return
-                step = self._new_step(index, limit, ring)
+                step = self._new_step(index, start, limit, ring)
                 if step is not None:
                     self._dispatch(step)
                     self._raise_failure(step)
@@ -284,14 +287,14 @@ class Engine:
         ring.put(index, batch)
         return None
 
-    def _new_step(self, index: int, limit: int | None, ring: Ring) -> _Step | None:
+    def _new_step(self, index: int, first: int, limit: int | None, ring: Ring) -> _Step | None:
         running = tuple(name for name, la in self._lookahead.items()
-                        if index + la >= 0 and (limit is None or index + la < limit))
+                        if index + la >= first and (limit is None or index + la < limit))
         if not running:
             return None
         if running not in self._step_shapes:
             self._step_shapes[running] = self._step_shape(running)
-        return _Step(index, limit, ring, self._step_shapes[running], self._inboxes)
+        return _Step(index, first, limit, ring, self._step_shapes[running], self._inboxes)
 
     def _step_shape(self, running: tuple[str, ...]) -> _StepShape:
         if self.plan.legacy:

@@ -58,7 +58,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             data_fetcher.fetched -= start  # on_run_start already counted them, as for a stateful loader
         engine = self._start_engine()
         try:
-            with contextlib.closing(engine.steps(self._batches, self._before_step)) as steps:
+            with contextlib.closing(engine.steps(self._batches, self._before_step, start=start)) as steps:
                 for result in steps:
                     self._strategy.step_records.extend(result.records)
                     if result.batch is None:
@@ -104,19 +104,19 @@ class EngineEpochLoop(_TrainingEpochLoop):
 
     def _before_step(self, step: int) -> bool:
         """Announce batch ``step`` to Lightning before its lookahead-0 tasks run; False ends the epoch."""
-        if step < 0:
-            return True
+        if step < self._batches.start:
+            return True  # the fill
         trainer = self.trainer
         if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
             self._broadcast_sigterm_tensor()
         batch = self._engine.slots(step)["shuffled_batch"]
-        batch_idx = self.batch_idx + 1
+        batch_idx = step  # == self.batch_idx + 1: the engine numbers batches as the epoch does
         self.batch_progress.is_last_batch = self._is_last(step)
         self.batch_progress.increment_ready()
         trainer._logger_connector.on_batch_start(batch)
         if batch is None:
             _warnings.warn("train_dataloader yielded None. If this was on purpose, ignore this warning...")
-            self._tasks.current = TrainBatch(step, batch_idx, OrderedDict(), False, skip=True)
+            self._tasks.current = TrainBatch(batch_idx, OrderedDict(), False, skip=True)
             return True
         call._call_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
         response = call._call_lightning_module_hook(trainer, "on_train_batch_start", batch, batch_idx)
@@ -129,7 +129,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             return False
         self.batch_progress.increment_started()
         kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
-        self._tasks.current = TrainBatch(step, batch_idx, kwargs, self._should_accumulate())
+        self._tasks.current = TrainBatch(batch_idx, kwargs, self._should_accumulate())
         return True
 
     def _finish_batch(self, result: StepResult) -> None:
@@ -154,8 +154,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
     def _is_last(self, step: int) -> bool:
         # The ring has pulled ahead, so the end of data is usually known already (always with depth >= 2).
         if self._batches.count is not None:
-            return step == self._batches.count - 1
-        return self._batches.start + step + 1 >= self.trainer.num_training_batches
+            return step == self._batches.start + self._batches.count - 1
+        return step + 1 >= self.trainer.num_training_batches
 
     # ----- checkpoints and teardown ----------------------------------------------------------------
 

@@ -31,10 +31,8 @@ _warnings = WarningCache()
 class TrainBatch:
     """Lightning's state for the batch at lookahead 0, prepared on the caller's thread before its step."""
 
-    index: int
-    """The engine's batch index in this run."""
     batch_idx: int
-    """Lightning's batch index in the epoch (differs from ``index`` after a mid-epoch resume)."""
+    """Lightning's batch index in the epoch, which is also the engine's batch (and step) index."""
     kwargs: OrderedDict
     """Arguments of ``training_step``."""
     should_accumulate: bool
@@ -154,10 +152,10 @@ class LightningTasks:
 
     def _batch(self, b: BatchView) -> TrainBatch:
         batch = self.current
-        if batch is None or batch.index != b.index:
+        if batch is None or batch.batch_idx != b.index:
             # The caller prepares batch k before step k; anything else is an engine bug, not user error.
             raise RuntimeError(f"lookahead-0 task got batch {b.index}, but the loop prepared "
-                               f"{None if batch is None else batch.index}")
+                               f"{None if batch is None else batch.batch_idx}")
         return batch
 
 

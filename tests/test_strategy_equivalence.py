@@ -1,0 +1,43 @@
+"""Under every preset an ordinary LightningModule trains to bitwise the same weights, on the same batches
+in the same order, as under Lightning's default strategy (SPEC §6.2)."""
+
+import pytest
+
+from lightning_runs import assert_same_weights, fit
+
+from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
+
+SCENARIOS = {
+    "two_epochs": {},
+    "limit_train_batches": {"limit_train_batches": 5},
+    "max_steps_mid_epoch": {"max_steps": 7, "max_epochs": -1},  # 12 batches an epoch
+    "accumulate_grad_batches": {"accumulate_grad_batches": 3, "limit_train_batches": 10},
+}
+
+_baselines = {}
+
+
+def baseline(scenario):
+    if scenario not in _baselines:
+        _baselines[scenario] = fit("auto", **SCENARIOS[scenario])
+    return _baselines[scenario]
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_preset_trains_like_lightnings_default_loop(preset, scenario):
+    expected_model, expected_trainer = baseline(scenario)
+    model, trainer = fit(HSTUPipelineStrategy(preset), **SCENARIOS[scenario])
+    assert model.batches_seen == expected_model.batches_seen
+    assert trainer.global_step == expected_trainer.global_step
+    assert trainer.current_epoch == expected_trainer.current_epoch
+    assert_same_weights(model, expected_model)
+
+
+def test_the_scenarios_really_cut_epochs_short():
+    # guards the scenarios above: each must stop where it claims to
+    assert len(baseline("limit_train_batches")[0].batches_seen) == 2 * 5
+    assert baseline("max_steps_mid_epoch")[1].global_step == 7
+    assert len(baseline("max_steps_mid_epoch")[0].batches_seen) == 7
+    assert baseline("accumulate_grad_batches")[1].global_step == 2 * 4  # ceil(10 / 3) steps an epoch

@@ -1,0 +1,185 @@
+"""What Lightning users rely on keeps working under the strategy: hooks with the right batch and index,
+self.log and loggers, validation, checkpoints, early stopping, clipping, bf16 autocast, LR schedulers;
+clear errors; engine threads joined."""
+
+import signal
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from conftest import engine_threads
+from lightning_runs import assert_same_weights, fit
+
+from lightning_hstu import HSTUPipelineStrategy, PlanError, TaskError
+from lightning_hstu.models.toy import ToyRecommender
+
+
+class HookRecorder(Callback):
+    """Records what callbacks are told, and on which thread."""
+
+    def __init__(self):
+        self.events = []
+        self.threads = set()
+        self.autocast_in_training_step = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.events.append(("start", batch_idx, int(batch[0].sum())))
+        self.threads.add(threading.current_thread().name)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.events.append(("end", batch_idx, int(batch[0].sum()), float(outputs["loss"]), trainer.global_step))
+        self.threads.add(threading.current_thread().name)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.events.append(("before_optimizer_step", trainer.global_step,
+                            float(sum(p.grad.norm() ** 2 for p in pl_module.parameters())) ** 0.5))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.events.append(("validation", trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+
+class AutocastProbe(ToyRecommender):
+    def training_step(self, batch, batch_idx):
+        self.autocast_seen = torch.is_autocast_enabled("cpu")
+        return super().training_step(batch, batch_idx)
+
+
+FEATURES = dict(gradient_clip_val=0.05, precision="bf16-mixed", val_check_interval=0.5, max_epochs=3,
+                log_every_n_steps=2)
+
+
+def run_with_features(strategy, tmp_path):
+    recorder = HookRecorder()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=0.02)
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    model, trainer = fit(strategy, model_cls=AutocastProbe, model_kwargs={"lr_step_size": 5}, logger=logger,
+                         enable_checkpointing=True, callbacks=[recorder, checkpoints, stopper], **FEATURES)
+    metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    return model, trainer, recorder, metrics, saved
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("preset", ["legacy_none", "per_task_d3", "default_d6"])
+def test_hooks_logging_validation_checkpoints_and_early_stopping_match_lightning(preset, tmp_path):
+    expected = run_with_features("auto", tmp_path / "auto")
+    got = run_with_features(HSTUPipelineStrategy(preset), tmp_path / preset)
+    model, trainer, recorder, metrics, saved = got
+    e_model, e_trainer, e_recorder, e_metrics, e_saved = expected
+    assert recorder.events == e_recorder.events  # batches, indices, losses, grad norms after clipping
+    assert recorder.threads == {threading.main_thread().name}  # batch hooks run on the caller's thread
+    assert metrics == e_metrics  # what self.log sent to the logger, step by step
+    assert saved == e_saved  # every_n_train_steps checkpoints, same names (epoch and step)
+    assert (trainer.current_epoch, trainer.global_step) == (e_trainer.current_epoch, e_trainer.global_step)
+    assert trainer.current_epoch < FEATURES["max_epochs"]  # early stopping did stop it
+    assert model.autocast_seen  # bf16 autocast entered on the worker thread that ran training_step
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == e_trainer.lr_scheduler_configs[0].scheduler.last_epoch
+    assert_same_weights(model, e_model)
+
+
+def test_every_preset_is_registered_by_name():
+    trainer = pl.Trainer(strategy="hstu_full_split_d6", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HSTUPipelineStrategy)
+    assert trainer.strategy.plan.name == "full_split_d6"
+
+
+def test_bad_configuration_fails_when_the_strategy_is_made():
+    with pytest.raises(PlanError, match="unknown preset 'default_d7'; valid presets: legacy_none"):
+        HSTUPipelineStrategy("default_d7")
+    with pytest.raises(PlanError, match="thread_map misses task 'watchdog'"):
+        HSTUPipelineStrategy("default_d3", thread_map={t: "one" for t in
+                                                       ToyThreadMap.ALL if t != "watchdog"})
+    with pytest.raises(PlanError, match="consumer 'start_input_dist' .* producer 'finish_shuffle'"):
+        HSTUPipelineStrategy("default_d6", lookahead={"h2d": 2, "start_shuffle": 2, "finish_shuffle": 1,
+                                                      "start_input_dist": 2})
+    with pytest.raises(PlanError, match="finish_shuffle at lookahead >= 1"):
+        HSTUPipelineStrategy("default_d3", lookahead={})
+
+
+class ToyThreadMap:
+    from lightning_hstu.plan import HSTU_TASK_NAMES as ALL
+
+
+def test_a_custom_thread_map_and_lookahead_train_like_the_default(tmp_path):
+    thread_map = {t: ("loader" if t in ("h2d", "start_shuffle", "finish_shuffle") else "trainer")
+                  for t in ToyThreadMap.ALL}
+    lookahead = {"h2d": 4, "start_shuffle": 3, "finish_shuffle": 3, "start_input_dist": 1, "wait_input_dist": 1}
+    model, _ = fit(HSTUPipelineStrategy("default_d3", thread_map=thread_map, lookahead=lookahead))
+    expected, _ = fit("auto")
+    assert_same_weights(model, expected)
+
+
+class ManualModule(ToyRecommender):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_manual_optimization_is_refused_at_start():
+    with pytest.raises(MisconfigurationException, match="supports automatic optimization only"):
+        fit(HSTUPipelineStrategy("default_d3"), model_cls=ManualModule)
+
+
+class FailsAtBatch7(ToyRecommender):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 7:
+            raise ValueError("exploding loss")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6", "per_task_d3"])
+def test_an_error_in_training_step_names_task_batch_and_thread(preset):
+    strategy = HSTUPipelineStrategy(preset)
+    with pytest.raises(TaskError) as info:
+        fit(strategy, model_cls=FailsAtBatch7)
+    thread = strategy.plan.task("forward").thread
+    assert (info.value.task, info.value.batch, info.value.thread) == ("forward", 7, thread)
+    assert "task 'forward' failed on batch 7" in str(info.value) and "exploding loss" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert engine_threads() == []
+
+
+class InterruptAtBatch3(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 3:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_tears_the_engine_down():
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown exits after its teardown
+            fit(HSTUPipelineStrategy("full_split_d6"), callbacks=[InterruptAtBatch3()])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from then on
+    assert engine_threads() == []
+
+
+class RecordsCollector(Callback):
+    def __init__(self):
+        self.records = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.records.extend(trainer.strategy.step_records)
+
+
+def test_task_records_show_what_a_plain_module_skips():
+    collector = RecordsCollector()
+    fit(HSTUPipelineStrategy("full_split_d6"), callbacks=[collector], max_epochs=1)
+    runs = {}
+    for record in collector.records:
+        runs.setdefault(record.task, []).append(record)
+    assert {task: len(r) for task, r in runs.items()} == {task: 12 for task in ToyThreadMap.ALL}
+    skipped = {task for task, r in runs.items() if all(x.skipped for x in r)}
+    assert skipped == {"start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist",
+                       "prefetch_embeddings", "global_tokens_allreduce", "compute_output_dist",
+                       "finalize_model_grads", "watchdog"}
+    assert sorted(r.batch for r in runs["forward"]) == list(range(12))

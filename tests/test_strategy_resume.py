@@ -1,0 +1,51 @@
+"""Resuming from a checkpoint taken mid-epoch gives the run that never stopped (SPEC §6.3), although the
+ring had pulled depth - 1 batches ahead when the checkpoint was taken: no batch skipped, none repeated.
+
+The loaders have a deterministic order: a plain DataLoader shuffled by Lightning's DistributedSampler
+(its order depends on the epoch only), and a StatefulDataLoader in order. (A StatefulDataLoader shuffled
+by its own generator, or under a DistributedSampler, does not come back to the same order after a resume
+under Lightning's own loop either.)
+"""
+
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_runs import assert_same_weights, fit
+
+from lightning_hstu import HSTUPipelineStrategy
+
+LOADERS = {
+    "plain DataLoader, shuffled by DistributedSampler": (dict(shuffle=True), dict(use_distributed_sampler=True)),
+    "StatefulDataLoader": (dict(stateful=True), {}),
+}
+
+
+def interrupted_run(preset, tmp_path, at_step, data, trainer_kwargs):
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=at_step, save_top_k=-1, filename="{step}")
+    first, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, max_steps=at_step,
+                         enable_checkpointing=True, callbacks=[saver], **trainer_kwargs)
+    assert trainer.global_step == at_step
+    resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / f"step={at_step}.ckpt",
+                           **trainer_kwargs)
+    assert trainer.global_step == 24  # 2 epochs of 12 batches
+    return first, resumed
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("preset", ["legacy_none", "full_split_d6"])
+def test_mid_epoch_resume_equals_the_uninterrupted_run(preset, loader, tmp_path):
+    data, trainer_kwargs = LOADERS[loader]
+    uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data, **trainer_kwargs)
+    first, resumed = interrupted_run(preset, tmp_path, 5, data, trainer_kwargs)  # 5 of 12: mid-epoch
+    assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
+    assert_same_weights(resumed, uninterrupted)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_resume_at_the_end_of_an_epoch(tmp_path):
+    data, trainer_kwargs = LOADERS["plain DataLoader, shuffled by DistributedSampler"]
+    uninterrupted, _ = fit(HSTUPipelineStrategy("default_d6"), data_kwargs=data, **trainer_kwargs)
+    first, resumed = interrupted_run("default_d6", tmp_path, 12, data, trainer_kwargs)
+    assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
+    assert_same_weights(resumed, uninterrupted)
