@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def run_lightning_cli(argv: list[str] | None) -> None:
+def run_lightning_cli(argv: list[str] | None):
     """``lightning-hstu fit --config cfg.yaml``: Lightning's own CLI, with the strategy an ordinary argument
     (``--trainer.strategy=hstu_full_split_d6``, or ``class_path: lightning_hstu.HSTUPipelineStrategy``
     with ``init_args: {preset: ...}``). Model and data are chosen by ``class_path`` in the config."""
@@ -34,8 +34,8 @@ def run_lightning_cli(argv: list[str] | None) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             _check_strategy_name(config.trainer.strategy)
 
-    HSTULightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
-                     save_config_kwargs={"overwrite": True})
+    return HSTULightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
+                            save_config_kwargs={"overwrite": True})
 
 
 def _check_strategy_name(strategy) -> None:

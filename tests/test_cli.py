@@ -59,3 +59,42 @@ def test_the_console_script_is_installed():
     result = subprocess.run([str(script), "presets", "legacy_none"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].startswith("legacy_none")
+
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "toy.yaml"
+QUIET_CLI = ["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def test_fit_takes_the_preset_from_the_yaml_config(tmp_path):
+    from lightning_hstu import HSTUPipelineStrategy
+    from lightning_hstu.cli import run_lightning_cli
+
+    cli = run_lightning_cli(["fit", "--config", str(EXAMPLE), f"--trainer.default_root_dir={tmp_path}", *QUIET_CLI])
+    assert isinstance(cli.trainer.strategy, HSTUPipelineStrategy)
+    assert cli.trainer.strategy.plan.name == "default_d6"
+    assert cli.trainer.global_step == 16  # 256 samples / batch 16, one epoch
+
+
+def test_fit_takes_the_strategy_by_name_on_the_command_line(tmp_path):
+    from lightning_hstu.cli import run_lightning_cli
+
+    cli = run_lightning_cli(["fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_full_split_d6",
+                             f"--trainer.default_root_dir={tmp_path}", *QUIET_CLI])
+    assert cli.trainer.strategy.plan.name == "full_split_d6"
+    assert cli.trainer.global_step == 16
+
+
+def test_fit_with_an_unknown_preset_name_lists_the_valid_ones(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_default_d4",
+                           f"--trainer.default_root_dir={tmp_path}")
+    assert code == 2
+    assert "unknown strategy 'hstu_default_d4'; the HSTU strategies are: hstu_legacy_none," in err
+
+
+def test_fit_with_an_unknown_preset_in_init_args_lists_the_valid_ones(tmp_path):
+    script = Path(sys.executable).parent / "lightning-hstu"
+    result = subprocess.run([str(script), "fit", "--config", str(EXAMPLE),
+                             "--trainer.strategy.init_args.preset=fastest", f"--trainer.default_root_dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "unknown preset 'fastest'; valid presets: legacy_none, default_d3" in result.stderr

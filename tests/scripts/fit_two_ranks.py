@@ -1,0 +1,45 @@
+"""Fits the toy recommender on two CPU processes (gloo); run by test_strategy_ranks.py.
+
+    python fit_two_ranks.py STRATEGY OUT_DIR {even,uneven}
+
+Lightning's launcher starts the second rank by running this same command again. Each rank saves its
+weights, the batches it trained and its global step to OUT_DIR/rank<R>.pt.
+"""
+
+import sys
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_hstu  # noqa: F401  (registers the hstu_* strategies)
+from lightning_hstu.data.toy import ToyDataModule
+from lightning_hstu.models.toy import ToyRecommender
+
+
+class UnevenBatches(IterableDataset):
+    """Rank 0 has 10 batches an epoch, rank 1 has 6."""
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(10 if rank == 0 else 6):
+            yield torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
+
+
+def main(strategy: str, out_dir: str, data: str) -> None:
+    pl.seed_everything(0, verbose=False)
+    model = ToyRecommender()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0)
+    if data == "uneven":
+        trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
+    else:
+        trainer.fit(model, ToyDataModule(num_samples=128))
+    torch.save({"weights": model.state_dict(), "seen": model.batches_seen, "global_step": trainer.global_step},
+               f"{out_dir}/rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,50 @@
+"""Two processes on gloo: the result equals Lightning's own DDP, and ranks agree on the end of data, so a
+rank with fewer batches ends the epoch for everyone instead of hanging them (SPEC §6.6)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
+# Set in this process by the single-process DDP fits of other tests; a new launch must not inherit them.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def fit_two_ranks(strategy, out_dir, data="even"):
+    out_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    result = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out_dir), data],
+                            capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp(tmp_path_factory):
+    return fit_two_ranks("ddp", tmp_path_factory.mktemp("ddp") / "out")
+
+
+@pytest.mark.parametrize("strategy", ["hstu_default_d6", "hstu_per_task_d3"])
+def test_two_ranks_equal_lightnings_ddp(strategy, lightning_ddp, tmp_path):
+    ranks = fit_two_ranks(strategy, tmp_path / "out")
+    for got, expected in zip(ranks, lightning_ddp):
+        assert got["seen"] == expected["seen"]  # each rank trained its DistributedSampler share, in order
+        assert got["global_step"] == expected["global_step"] == 16
+        for name, value in expected["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
+    for name, value in ranks[0]["weights"].items():  # and the ranks agree with each other
+        assert torch.equal(ranks[1]["weights"][name], value), name
+
+
+def test_a_rank_with_fewer_batches_ends_the_epoch_for_all(tmp_path):
+    ranks = fit_two_ranks("hstu_full_split_d6", tmp_path / "out", data="uneven")
+    for rank in ranks:
+        assert rank["global_step"] == 2 * 6  # both stop at rank 1's 6 batches, each epoch
+        assert [idx for idx, _ in rank["seen"]] == list(range(6)) * 2
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(ranks[1]["weights"][name], value), name
