@@ -18,8 +18,9 @@ class StreamProbe(ToyRecommender):
         self.seen_streams, self.default_stream = set(), torch.cuda.current_stream()
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        self.transfer_streams = getattr(self, "transfer_streams", set())
-        self.transfer_streams.add(torch.cuda.current_stream())
+        if self.trainer.training:  # validation batches are Lightning's own business
+            self.transfer_streams = getattr(self, "transfer_streams", set())
+            self.transfer_streams.add(torch.cuda.current_stream())
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, batch, batch_idx):
