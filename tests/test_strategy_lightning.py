@@ -8,6 +8,7 @@ import threading
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -183,3 +184,39 @@ def test_task_records_show_what_a_plain_module_skips():
                        "prefetch_embeddings", "global_tokens_allreduce", "compute_output_dist",
                        "finalize_model_grads", "watchdog"}
     assert sorted(r.batch for r in runs["forward"]) == list(range(12))
+
+
+class TokenNormalised(ToyRecommender):
+    """Implements two HSTU hooks: a global token count the loss is normalised by, and a watchdog."""
+
+    def hstu_global_tokens_allreduce(self, batch):
+        items, _ = batch["shuffled_batch"]
+        batch["global_tokens"] = torch.tensor(float(items.numel()))
+
+    def hstu_watchdog(self, batch):
+        self.watched = getattr(self, "watched", 0) + 1
+        if not torch.isfinite(batch["loss"].loss):
+            raise FloatingPointError(f"non-finite loss at batch {batch.index}")
+
+    def training_step(self, batch, batch_idx):
+        items, ratings = batch
+        tokens = self.trainer.strategy.batch_slots["global_tokens"]
+        return nn.functional.mse_loss(self(items), ratings, reduction="sum") * ratings.numel() / tokens
+
+
+class InlineNormalised(ToyRecommender):
+    def training_step(self, batch, batch_idx):
+        items, ratings = batch
+        return nn.functional.mse_loss(self(items), ratings, reduction="sum") * ratings.numel() / items.numel()
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_a_module_implementing_hstu_hooks_gets_them_run_as_tasks():
+    collector = RecordsCollector()
+    model, _ = fit(HSTUPipelineStrategy("per_task_d3"), model_cls=TokenNormalised, callbacks=[collector])
+    expected, _ = fit("auto", model_cls=InlineNormalised)
+    assert_same_weights(model, expected)
+    assert model.watched == 24
+    ran = {r.task for r in collector.records if not r.skipped}
+    assert {"global_tokens_allreduce", "watchdog"} <= ran
+    assert "start_shuffle" not in ran

@@ -159,6 +159,12 @@ class EngineEpochLoop(_TrainingEpochLoop):
 
     # ----- checkpoints and teardown ----------------------------------------------------------------
 
+    def batch_slots(self) -> Any:
+        """The slots of the batch being trained, read-only (None outside a batch)."""
+        if self._engine is None or self._tasks.current is None:
+            return None
+        return self._engine.slots(self._tasks.current.batch_idx)
+
     def loader_state_to_save(self) -> list[dict[str, Any]] | None:
         """During an epoch: the loader state from before the oldest batch not yet trained."""
         if self._batches is None or not self._batches.stateful:

@@ -8,7 +8,9 @@ optimizer_zero_grad, training_step, backward hooks, optimizer_step, on_before_op
 clipping, step; weights come out the same as under Lightning's loop.
 
 Tasks a plain LightningModule has nothing for (the shuffle, TorchRec input dist, prefetch, global token
-count, gradient finalisation, watchdog) pass their input through and are recorded as skipped.
+count, gradient finalisation, watchdog) pass their input through and are recorded as skipped. A module
+that defines ``hstu_<task>(batch)`` for one of them (``HSTU_HOOKS``) gets that method run as the task's
+body: it receives the task's ``BatchView`` and writes the task's slots.
 """
 
 import contextlib
@@ -25,6 +27,10 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from ..engine import SKIPPED, BatchView
 
 _warnings = WarningCache()
+
+HSTU_HOOKS = ("start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist", "prefetch_embeddings",
+              "global_tokens_allreduce", "compute_output_dist", "finalize_model_grads", "watchdog")
+"""Tasks a LightningModule may implement as ``hstu_<task>(self, batch)``; the others are Lightning's own."""
 
 
 @dataclass
@@ -55,6 +61,15 @@ class LightningTasks:
         self._lightning = threading.RLock()
 
     def bodies(self) -> dict[str, Any]:
+        bodies = self._default_bodies()
+        module = self.trainer.lightning_module
+        for task in HSTU_HOOKS:
+            hook = getattr(module, f"hstu_{task}", None)
+            if callable(hook):
+                bodies[task] = hook
+        return bodies
+
+    def _default_bodies(self) -> dict[str, Any]:
         return {
             "h2d": self.h2d,
             "start_shuffle": _passthrough({}, {"workloads": None}),

@@ -85,6 +85,13 @@ class HSTUPipelineStrategy(DDPStrategy):
 
         install_engine_loop(trainer, self)
 
+    @property
+    def batch_slots(self) -> Mapping[str, Any] | None:
+        """The engine's slots of the batch being trained (``embeddings``, ``global_tokens``, ...), read-only:
+        how ``training_step`` reads what the module's ``hstu_<task>`` hooks produced for its batch."""
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop if self.lightning_module else None
+        return loop.batch_slots() if hasattr(loop, "batch_slots") else None
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
