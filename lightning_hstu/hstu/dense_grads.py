@@ -1,0 +1,65 @@
+"""Data parallelism of the dense part through megatron-core: its DistributedDataParallel collects gradients
+into contiguous buckets, and ``finalize_model_grads`` all-reduces them (the finalize_model_grads task).
+
+The sparse part (TorchRec embeddings) is not here: its fused optimizer updates it during backward.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class MegatronDenseGrads:
+    """Wraps ``module`` in megatron-core's DDP over the default process group (one data-parallel group).
+
+    Per step: ``zero_grad()`` before backward, then ``finalize()`` after it; ``finalize`` leaves each
+    parameter's ``.grad`` pointing at its all-reduced mean gradient, so any torch optimizer can step.
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_size: int | None = None):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer import TransformerConfig
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("megatron-core's DistributedDataParallel needs torch.distributed initialised")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)  # data parallel over every rank
+        # megatron asks for a TransformerConfig, of which DDP reads only generic fields
+        config = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1)
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, bucket_size=bucket_size)
+        device = next(module.parameters()).device
+        with _buffers_on(device):
+            self.ddp = DistributedDataParallel(config, ddp_config, module)
+        self.module = module
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def finalize(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad = p.main_grad  # a view into megatron's bucket: no copy
+
+
+@contextlib.contextmanager
+def _buffers_on(device: torch.device) -> Iterator[None]:
+    """megatron-core allocates its gradient buffers on ``torch.cuda.current_device()``, which raises on a
+    CPU build; point it at the module's device while wrapping."""
+    if device.type == "cuda":
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: device
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
