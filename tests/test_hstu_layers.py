@@ -1,0 +1,57 @@
+"""Properties of the HSTU layer that the model relies on."""
+
+import torch
+
+from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, to_padded
+
+CONFIG = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32)
+
+
+def stack():
+    torch.manual_seed(0)
+    model = HSTUStack(CONFIG)
+    for p in model.parameters():  # non-zero biases, so that they matter in the checks
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def test_causal_a_position_never_sees_the_future():
+    model = stack()
+    x = torch.randn(1, 10, 16)
+    t = torch.arange(10)[None] * 60
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    changed = x.clone()
+    changed[0, 6:] = torch.randn(4, 16)
+    a, b = model(x, mask, t), model(changed, mask, t)
+    torch.testing.assert_close(a[0, :6], b[0, :6])
+    assert not torch.allclose(a[0, 6:], b[0, 6:])
+
+
+def test_padding_changes_nothing():
+    model = stack()
+    lengths = torch.tensor([3, 7])
+    values = torch.randn(10, 16)
+    times = torch.arange(10) * 30
+    x, mask = to_padded(values, lengths)
+    t, _ = to_padded(times, lengths)
+    x_long, mask_long = to_padded(values, lengths, max_len=12)
+    t_long, _ = to_padded(times, lengths, max_len=12)
+    short, long = model(x, mask, t), model(x_long, mask_long, t_long)
+    torch.testing.assert_close(short[mask], long[mask_long])
+
+
+def test_each_sequence_is_independent_of_the_others_in_its_batch():
+    model = stack()
+    values, times = torch.randn(10, 16), torch.arange(10) * 30
+    x, mask = to_padded(values, torch.tensor([3, 7]))
+    t, _ = to_padded(times, torch.tensor([3, 7]))
+    alone_x, alone_mask = to_padded(values[:3], torch.tensor([3]))
+    alone_t, _ = to_padded(times[:3], torch.tensor([3]))
+    torch.testing.assert_close(model(x, mask, t)[0, :3], model(alone_x, alone_mask, alone_t)[0])
+
+
+def test_the_time_between_events_matters():
+    model = stack()
+    x = torch.randn(1, 6, 16)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    assert not torch.allclose(model(x, mask, torch.arange(6)[None]), model(x, mask, torch.arange(6)[None] * 10_000))
