@@ -85,6 +85,14 @@ class HSTUPipelineStrategy(DDPStrategy):
 
         install_engine_loop(trainer, self)
 
+    @override
+    def configure_ddp(self) -> None:
+        if callable(getattr(self.lightning_module, "hstu_finalize_model_grads", None)):
+            # The module reduces its dense gradients itself (finalize_model_grads) and TorchRec shards its
+            # embeddings: torch DDP around it would reduce them twice, inside backward.
+            return
+        super().configure_ddp()
+
     @property
     def batch_slots(self) -> Mapping[str, Any] | None:
         """The engine's slots of the batch being trained (``embeddings``, ``global_tokens``, ...), read-only:

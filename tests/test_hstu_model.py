@@ -1,0 +1,151 @@
+"""The HSTU workload under the engine: every task doing its real job, the watchdog, and the loss that the
+global token count makes independent of how ranks split a global batch."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback
+
+from conftest import engine_threads
+
+from lightning_hstu import HSTUPipelineStrategy, TaskError
+from lightning_hstu.data.histories import SyntheticHistories
+from lightning_hstu.hstu.batch import HSTUBatch
+from lightning_hstu.models.hstu import HSTURecommender, sparse_features
+
+ROOT = Path(__file__).parent.parent
+SMALL_MODEL = dict(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
+                   dropout=0.0)
+
+
+def small_data(**kwargs):
+    return SyntheticHistories(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4, **kwargs)
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses, self.records = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.records.extend(trainer.strategy.step_records)
+
+
+def fit_hstu(model_cls=HSTURecommender, epochs=3, **trainer_kwargs):
+    pl.seed_everything(0, verbose=False)
+    recorder = Losses()
+    model = model_cls(**SMALL_MODEL)
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("full_split_d6"), accelerator="cpu", devices=1,
+                         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder], **trainer_kwargs)
+    trainer.fit(model, small_data())
+    return model, trainer, recorder
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_hstu_trains_with_every_task_doing_its_job():
+    _, trainer, recorder = fit_hstu(limit_val_batches=0)
+    ran = {}
+    for r in recorder.records:
+        ran.setdefault(r.task, set()).add(r.skipped)
+    assert ran.pop("prefetch_embeddings") == {True}  # no table uses an embedding cache
+    assert all(skipped == {False} for skipped in ran.values()), ran
+    per_epoch = len(recorder.losses) // 3
+    first, last = recorder.losses[:per_epoch], recorder.losses[-per_epoch:]
+    assert sum(last) / len(last) < sum(first) / len(first)
+
+
+def test_validation_reports_leave_last_out_metrics():
+    _, trainer, _ = fit_hstu(epochs=1)
+    assert 0.0 <= float(trainer.callback_metrics["val/HR@10"]) <= 1.0
+    assert float(trainer.callback_metrics["val/NDCG@10"]) <= float(trainer.callback_metrics["val/HR@10"])
+
+
+class ExplodesAtBatch3(HSTURecommender):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 3 else loss
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_the_watchdog_stops_training_at_a_non_finite_loss():
+    with pytest.raises(TaskError) as info:
+        fit_hstu(ExplodesAtBatch3, limit_val_batches=0)
+    assert (info.value.task, info.value.batch) == ("watchdog", 3)
+    assert isinstance(info.value.__cause__, FloatingPointError)
+    assert engine_threads() == []
+
+
+def _global_token_loss(rank, world, init_file, out):
+    """Each rank scores half of a global batch; the mean of the rank losses must be the loss of the whole."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        data = small_data()
+        data.setup()
+        batches = list(data.train_dataloader())
+        whole = HSTUBatch.concat(batches[:2])
+        mine = batches[rank]
+        torch.manual_seed(0)
+        model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
+        model.trainer = None
+        from lightning_hstu.hstu.sparse import ShardedEmbeddings
+        from torchrec import EmbeddingConfig
+
+        d = SMALL_MODEL["embedding_dim"]
+        model.embeddings = ShardedEmbeddings([
+            EmbeddingConfig(name="item", embedding_dim=d, num_embeddings=data.num_items + 1, feature_names=["item", "item_neg"]),
+            EmbeddingConfig(name="action", embedding_dim=d, num_embeddings=5, feature_names=["action"]),
+            EmbeddingConfig(name="user", embedding_dim=d, num_embeddings=data.num_users + 1, feature_names=["user"]),
+        ], torch.device("cpu"))
+        tokens = mine.sequence_lengths().sum().float()
+        dist.all_reduce(tokens)
+        retrieval, ranking = model.losses(mine, model.embeddings(sparse_features(mine)))
+        rank_loss = (retrieval + ranking) * world / tokens
+        mean = rank_loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= world
+        w_retrieval, w_ranking = model.losses(whole, model.embeddings(sparse_features(whole)))
+        single = (w_retrieval + w_ranking) / whole.sequence_lengths().sum()
+        if rank == 0:
+            torch.save((float(mean), float(single)), out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch(tmp_path):
+    out = tmp_path / "losses.pt"
+    mp.spawn(_global_token_loss, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    mean, single = torch.load(out)
+    assert mean == pytest.approx(single, rel=1e-5)
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    script = Path(sys.executable).parent / "lightning-hstu"
+    result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
+                             "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {m.group(1): (int(m.group(2)), int(m.group(3)))
+            for m in re.finditer(r"^(\w+)\s+\w+\s+(\d+)\s+(\d+)\s", result.stdout, re.MULTILINE)}
+    assert len(rows) == 14, result.stdout[-3000:]
+    plan = HSTUPipelineStrategy("default_d6").plan
+    for task, (runs, skipped) in rows.items():
+        # max_steps=20 trains 20 batches; a task with lookahead la had already run on la more
+        assert runs == 20 + plan.task(task).lookahead, task
+        assert skipped == (runs if task == "prefetch_embeddings" else 0), task
+    before, after = map(float, re.search(r"max/mean rank cost ([\d.]+) -> ([\d.]+)", result.stdout).groups())
+    assert after < before
