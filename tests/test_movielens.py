@@ -1,0 +1,48 @@
+"""Reading MovieLens files into histories (offline: small files in the GroupLens formats)."""
+
+import pytest
+
+from lightning_hstu.data.histories import leave_last_out, most_popular_metrics, ranking_metrics
+from lightning_hstu.data.movielens import MovieLens, histories_from, read_ratings
+
+
+def test_ml100k_rows_become_time_ordered_histories_with_renumbered_ids(tmp_path):
+    (tmp_path / "u.data").write_text("7\t50\t5\t300\n7\t10\t3\t100\n2\t10\t4\t200\n7\t99\t1\t200\n")
+    histories = histories_from(read_ratings("ml-100k", str(tmp_path)))
+    assert [(h.user, h.items, h.actions, h.times) for h in histories] == [
+        (1, (1,), (3,), (200,)),  # user 2; items 10, 50, 99 -> 1, 2, 3; rating r -> action r - 1
+        (2, (1, 3, 2), (2, 0, 4), (100, 200, 300)),
+    ]
+
+
+def test_ml20m_half_stars_are_ten_action_classes(tmp_path):
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,5,0.5,10\n1,6,5.0,20\n1,7,3.5,30\n")
+    (history,) = histories_from(read_ratings("ml-20m", str(tmp_path)))
+    assert history.actions == (0, 9, 6)
+
+
+def test_ml1m_format(tmp_path):
+    (tmp_path / "ratings.dat").write_text("1::1193::5::978300760\n1::661::3::978302109\n")
+    (history,) = histories_from(read_ratings("ml-1m", str(tmp_path)))
+    assert history.items == (2, 1) and history.actions == (4, 2)
+
+
+def test_unknown_dataset_and_missing_folder_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown MovieLens dataset 'ml-2m'; valid: ml-100k, ml-1m, ml-20m"):
+        MovieLens("ml-2m")
+    with pytest.raises(ValueError, match="ml-1m is read from a local GroupLens folder"):
+        MovieLens("ml-1m")
+    with pytest.raises(FileNotFoundError, match="no ratings.dat in"):
+        read_ratings("ml-1m", str(tmp_path))
+
+
+def test_leave_last_out_and_the_most_popular_baseline(tmp_path):
+    (tmp_path / "u.data").write_text("".join(f"{u}\t{i}\t4\t{t}\n" for u, i, t in [
+        (1, 1, 1), (1, 2, 2), (1, 3, 3), (2, 1, 1), (2, 2, 2), (2, 1, 3), (3, 5, 1)]))
+    histories = histories_from(read_ratings("ml-100k", str(tmp_path)))
+    train, evaluation = leave_last_out(histories, max_len=10)
+    assert [h.items for h in train] == [(1, 2), (1, 2)]  # user 3 has too short a history
+    assert [target for _, target in evaluation] == [3, 1]
+    # popularity in training: items 1 and 2 (tied, 1 first); target 3 unseen, target 1 ranked first
+    assert most_popular_metrics(train, evaluation, k=10) == ranking_metrics([2, 0], k=10)
+    assert ranking_metrics([0, 20], k=10) == (0.5, 0.5)
