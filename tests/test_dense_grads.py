@@ -1,9 +1,9 @@
 """finalize_model_grads (megatron-core) gives every rank the all-reduced mean gradient of the dense part."""
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from ranks import run_on_ranks
 
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
 
@@ -17,28 +17,18 @@ def rank_input(rank):
     return torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
 
 
-def _rank(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        net = make_net()
-        grads = MegatronDenseGrads(net)
-        for _ in range(2):  # twice: zero_grad must clear the buckets between steps
-            grads.zero_grad()
-            grads.ddp(rank_input(rank)).pow(2).sum().backward()
-            grads.finalize()
-        result = [p.grad.clone() for p in net.parameters()]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        dist.destroy_process_group()
+def _two_steps(rank, world):
+    net = make_net()
+    grads = MegatronDenseGrads(net)
+    for _ in range(2):  # twice: zero_grad must clear the buckets between steps
+        grads.zero_grad()
+        grads.ddp(rank_input(rank)).pow(2).sum().backward()
+        grads.finalize()
+    return [p.grad.clone() for p in net.parameters()]
 
 
 def test_finalize_gives_the_mean_gradient_on_every_rank(tmp_path):
-    out = tmp_path / "grads.pt"
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    per_rank = torch.load(out, weights_only=False)
+    per_rank = run_on_ranks(_two_steps, tmp_path)
     expected = []
     for rank in range(2):  # by hand: each rank's gradient, then their mean
         net = make_net()

@@ -1,7 +1,6 @@
 """The HSTU workload under the engine: every task doing its real job, the watchdog, and the loss that the
 global token count makes independent of how ranks split a global batch."""
 
-import os
 import re
 import subprocess
 import sys
@@ -11,15 +10,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 
 from conftest import engine_threads
+from ranks import launch_env, run_on_ranks
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.batch import HSTUBatch
-from lightning_hstu.models.hstu import HSTURecommender, sparse_features
+from lightning_hstu.hstu.sparse import ShardedEmbeddings
+from lightning_hstu.models.hstu import HSTURecommender, embedding_tables, sparse_features
 
 ROOT = Path(__file__).parent.parent
 SMALL_MODEL = dict(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
@@ -84,56 +84,36 @@ def test_the_watchdog_stops_training_at_a_non_finite_loss():
     assert engine_threads() == []
 
 
-def _global_token_loss(rank, world, init_file, out):
+def _global_token_loss(rank, world):
     """Each rank scores half of a global batch; the mean of the rank losses must be the loss of the whole."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        data = small_data()
-        data.setup()
-        batches = list(data.train_dataloader())
-        whole = HSTUBatch.concat(batches[:2])
-        mine = batches[rank]
-        torch.manual_seed(0)
-        model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
-        model.trainer = None
-        from lightning_hstu.hstu.sparse import ShardedEmbeddings
-        from torchrec import EmbeddingConfig
-
-        d = SMALL_MODEL["embedding_dim"]
-        model.embeddings = ShardedEmbeddings([
-            EmbeddingConfig(name="item", embedding_dim=d, num_embeddings=data.num_items + 1, feature_names=["item", "item_neg"]),
-            EmbeddingConfig(name="action", embedding_dim=d, num_embeddings=5, feature_names=["action"]),
-            EmbeddingConfig(name="user", embedding_dim=d, num_embeddings=data.num_users + 1, feature_names=["user"]),
-        ], torch.device("cpu"))
-        tokens = mine.sequence_lengths().sum().float()
-        dist.all_reduce(tokens)
-        retrieval, ranking = model.losses(mine, model.embeddings(sparse_features(mine)))
-        rank_loss = (retrieval + ranking) * world / tokens
-        mean = rank_loss.detach().clone()
-        dist.all_reduce(mean)
-        mean /= world
-        w_retrieval, w_ranking = model.losses(whole, model.embeddings(sparse_features(whole)))
-        single = (w_retrieval + w_ranking) / whole.sequence_lengths().sum()
-        if rank == 0:
-            torch.save((float(mean), float(single)), out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    data = small_data()
+    data.setup()
+    batches = list(data.train_dataloader())
+    whole = HSTUBatch.concat(batches[:2])
+    mine = batches[rank]
+    torch.manual_seed(0)
+    model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
+    tables = embedding_tables(SMALL_MODEL["embedding_dim"], data.num_items, data.num_users, data.num_actions)
+    model.embeddings = ShardedEmbeddings(tables, torch.device("cpu"))
+    tokens = mine.sequence_lengths().sum().float()
+    dist.all_reduce(tokens)
+    retrieval, ranking = model.losses(mine, model.embeddings(sparse_features(mine)))
+    rank_loss = (retrieval + ranking) * world / tokens
+    mean = rank_loss.detach().clone()
+    dist.all_reduce(mean)
+    mean /= world
+    w_retrieval, w_ranking = model.losses(whole, model.embeddings(sparse_features(whole)))
+    single = (w_retrieval + w_ranking) / whole.sequence_lengths().sum()
+    return float(mean), float(single)
 
 
 def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch(tmp_path):
-    out = tmp_path / "losses.pt"
-    mp.spawn(_global_token_loss, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    mean, single = torch.load(out)
-    assert mean == pytest.approx(single, rel=1e-5)
-
-
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    for mean, single in run_on_ranks(_global_token_loss, tmp_path):
+        assert mean == pytest.approx(single, rel=1e-5)
 
 
 def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env = launch_env()
     script = Path(sys.executable).parent / "lightning-hstu"
     result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
                              "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}"],

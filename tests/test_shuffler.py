@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ranks import run_on_ranks
 
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.shuffler import BalancedShuffler
@@ -44,26 +44,16 @@ def test_select_and_concat_keep_each_history_whole():
     assert histories(picked) == {u: histories(both)[u] for u in (7, 0, 3)}
 
 
-def _rank(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        batch = make_batch(range(rank * 16, (rank + 1) * 16), seed=rank)
-        shuffler = BalancedShuffler(local_batch_size=16)
-        shuffled = shuffler.finish(shuffler.start(batch))
-        result = {"size": shuffled.size, "histories": histories(shuffled), "before": histories(batch),
-                  "balance": (shuffler.last_balance.before, shuffler.last_balance.after)}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        dist.destroy_process_group()
+def _shuffle_once(rank, world):
+    batch = make_batch(range(rank * 16, (rank + 1) * 16), seed=rank)
+    shuffler = BalancedShuffler(local_batch_size=16)
+    shuffled = shuffler.finish(shuffler.start(batch))
+    return {"size": shuffled.size, "histories": histories(shuffled), "before": histories(batch),
+            "balance": (shuffler.last_balance.before, shuffler.last_balance.after)}
 
 
 def test_two_ranks_get_every_sample_exactly_once_with_a_better_balance(tmp_path):
-    out = tmp_path / "result.pt"
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    ranks = torch.load(out, weights_only=False)
+    ranks = run_on_ranks(_shuffle_once, tmp_path)
     assert [r["size"] for r in ranks] == [16, 16]
     original = {**ranks[0]["before"], **ranks[1]["before"]}
     after = [r["histories"] for r in ranks]

@@ -1,7 +1,6 @@
 """Two processes on gloo: the result equals Lightning's own DDP, and ranks agree on the end of data, so a
 rank with fewer batches ends the epoch for everyone instead of hanging them (SPEC §6.6)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ranks import launch_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
-# Set in this process by the single-process DDP fits of other tests; a new launch must not inherit them.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def fit_two_ranks(strategy, out_dir, data="even"):
     out_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env = launch_env()
     result = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out_dir), data],
                             capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

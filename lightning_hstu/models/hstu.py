@@ -62,13 +62,9 @@ class HSTURecommender(pl.LightningModule):
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
         self.num_items = num_items
         device = self.trainer.strategy.root_device
-        d = hp.embedding_dim
-        self.embeddings = ShardedEmbeddings([
-            EmbeddingConfig(name="item", embedding_dim=d, num_embeddings=num_items + 1, feature_names=["item", "item_neg"]),
-            EmbeddingConfig(name="action", embedding_dim=d, num_embeddings=hp.num_actions or data.num_actions,
-                            feature_names=["action"]),
-            EmbeddingConfig(name="user", embedding_dim=d, num_embeddings=num_users + 1, feature_names=["user"]),
-        ], device, optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr})
+        self.embeddings = ShardedEmbeddings(
+            embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
+            optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr})
         dense = nn.ModuleList([self.stack, self.ranking_head]).to(device)
         self.dense_grads = MegatronDenseGrads(dense)
         self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, enabled=hp.balance_batches)
@@ -191,6 +187,15 @@ class HSTURecommender(pl.LightningModule):
             keys=["item", "item_neg", "action", "user"], values=ids,
             lengths=torch.cat([torch.ones_like(ids), none, none, none]))
         return self.embeddings(features)["item"].values()
+
+
+def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
+    """Item ids (also the sampled negatives), actions and users; row 0 of item and user means none."""
+    return [
+        EmbeddingConfig(name="item", embedding_dim=dim, num_embeddings=num_items + 1, feature_names=["item", "item_neg"]),
+        EmbeddingConfig(name="action", embedding_dim=dim, num_embeddings=num_actions, feature_names=["action"]),
+        EmbeddingConfig(name="user", embedding_dim=dim, num_embeddings=num_users + 1, feature_names=["user"]),
+    ]
 
 
 def sparse_features(batch: HSTUBatch):
