@@ -97,12 +97,12 @@ def _global_token_loss(rank, world):
     model.embeddings = ShardedEmbeddings(tables, torch.device("cpu"))
     tokens = mine.sequence_lengths().sum().float()
     dist.all_reduce(tokens)
-    retrieval, ranking = model.losses(mine, model.embeddings(sparse_features(mine)))
+    retrieval, ranking = model.objectives(mine, model.embeddings(sparse_features(mine)))
     rank_loss = (retrieval + ranking) * world / tokens
     mean = rank_loss.detach().clone()
     dist.all_reduce(mean)
     mean /= world
-    w_retrieval, w_ranking = model.losses(whole, model.embeddings(sparse_features(whole)))
+    w_retrieval, w_ranking = model.objectives(whole, model.embeddings(sparse_features(whole)))
     single = (w_retrieval + w_ranking) / whole.sequence_lengths().sum()
     return float(mean), float(single)
 

@@ -43,11 +43,9 @@ class HSTURecommender(pl.LightningModule):
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
         self.save_hyperparameters()
-        self.config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
-                                 dropout=dropout)
-        self.stack = HSTUStack(self.config)
-        self.ranking_head = nn.Sequential(nn.Linear(2 * embedding_dim, embedding_dim), nn.SiLU(),
-                                          nn.Linear(embedding_dim, num_actions or 5))
+        config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
+                            dropout=dropout)
+        self.objectives = HSTUObjectives(config, num_actions or 5, temperature)
         self.embeddings: ShardedEmbeddings | None = None
         self.balances: list = []
         """(max/mean before, after) of the balanced shuffler, per batch."""
@@ -65,13 +63,12 @@ class HSTURecommender(pl.LightningModule):
         self.embeddings = ShardedEmbeddings(
             embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr})
-        dense = nn.ModuleList([self.stack, self.ranking_head]).to(device)
-        self.dense_grads = MegatronDenseGrads(dense)
+        self.dense_grads = MegatronDenseGrads(self.objectives.to(device))
         self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, enabled=hp.balance_batches)
 
     def configure_optimizers(self):
         # the sparse tables have their own (fused) optimizer
-        return torch.optim.AdamW([*self.stack.parameters(), *self.ranking_head.parameters()], lr=self.hparams.lr)
+        return torch.optim.AdamW(self.objectives.parameters(), lr=self.hparams.lr)
 
     def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
         self.dense_grads.zero_grad()
@@ -124,14 +121,50 @@ class HSTURecommender(pl.LightningModule):
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         slots = self.trainer.strategy.batch_slots
-        retrieval, ranking = self.losses(batch, slots["embeddings"])
+        retrieval, ranking = self.objectives(batch, slots["embeddings"])
         scale = dist.get_world_size() / slots["global_tokens"]  # the DP mean of the ranks = global batch loss
         loss = (retrieval + ranking) * scale
         self.log_dict({"train/retrieval": retrieval * scale, "train/ranking": ranking * scale}, batch_size=batch.size)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
         return loss
 
-    def losses(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    def validation_step(self, batch: HSTUBatch, batch_idx: int):
+        """Leave-last-out: rank the held-out item among all items by the state after the whole history."""
+        embeddings = self.embeddings(sparse_features(batch))
+        hidden, _, mask = self.objectives.encode(batch, embeddings)
+        last = hidden[torch.arange(len(mask)), mask.sum(1)]  # the state after the last event
+        scores = F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
+        scores[:, 0] = -math.inf  # id 0 is no item
+        target = batch.features["target"].values()
+        rank = (scores > scores.gather(1, target[:, None])).sum(1)
+        hits = (rank < 10).float()
+        self.log("val/HR@10", hits.mean(), batch_size=len(rank), sync_dist=True)
+        self.log("val/NDCG@10", (hits / torch.log2(rank.float() + 2)).mean(), batch_size=len(rank), sync_dist=True)
+
+    def all_item_embeddings(self) -> torch.Tensor:
+        """Every item's embedding [num_items + 1, D], looked up through the sharded tables."""
+        ids = torch.arange(self.num_items + 1, device=self.device)
+        none = torch.zeros_like(ids)
+        features = KeyedJaggedTensor.from_lengths_sync(  # one id per row under "item", nothing elsewhere
+            keys=["item", "item_neg", "action", "user"], values=ids,
+            lengths=torch.cat([torch.ones_like(ids), none, none, none]))
+        return self.embeddings(features)["item"].values()
+
+
+class HSTUObjectives(nn.Module):
+    """The dense part: the HSTU stack and the ranking head, from looked-up embeddings to the two losses.
+
+    Holds no embedding table, so it is what megatron-core's DDP wraps (and what TorchRec's pipeline tracer
+    treats as a leaf)."""
+
+    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float):
+        super().__init__()
+        self.embedding_dim, self.temperature = config.embedding_dim, temperature
+        self.stack = HSTUStack(config)
+        self.ranking_head = nn.Sequential(nn.Linear(2 * config.embedding_dim, config.embedding_dim), nn.SiLU(),
+                                          nn.Linear(config.embedding_dim, num_actions))
+
+    def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed retrieval and ranking losses over every position of every history."""
         lengths = batch.sequence_lengths()
         hidden, targets, mask = self.encode(batch, embeddings)
@@ -146,7 +179,7 @@ class HSTURecommender(pl.LightningModule):
         query = F.normalize(predicting, dim=-1)
         positive = (query * F.normalize(target, dim=-1)).sum(-1, keepdim=True)
         negative = (query @ negatives.T).gather(1, columns)
-        logits = torch.cat([positive, negative], dim=1) / self.hparams.temperature
+        logits = torch.cat([positive, negative], dim=1) / self.temperature
         retrieval = F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device),
                                     reduction="sum")
         actions = batch.features["action"].values()
@@ -165,28 +198,6 @@ class HSTURecommender(pl.LightningModule):
         token_mask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
         token_times = torch.cat([times[:, :1], times], dim=1)
         return self.stack(tokens, token_mask, token_times), targets, mask
-
-    def validation_step(self, batch: HSTUBatch, batch_idx: int):
-        """Leave-last-out: rank the held-out item among all items by the state after the whole history."""
-        embeddings = self.embeddings(sparse_features(batch))
-        hidden, _, mask = self.encode(batch, embeddings)
-        last = hidden[torch.arange(len(mask)), mask.sum(1)]  # the state after the last event
-        scores = F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
-        scores[:, 0] = -math.inf  # id 0 is no item
-        target = batch.features["target"].values()
-        rank = (scores > scores.gather(1, target[:, None])).sum(1)
-        hits = (rank < 10).float()
-        self.log("val/HR@10", hits.mean(), batch_size=len(rank), sync_dist=True)
-        self.log("val/NDCG@10", (hits / torch.log2(rank.float() + 2)).mean(), batch_size=len(rank), sync_dist=True)
-
-    def all_item_embeddings(self) -> torch.Tensor:
-        """Every item's embedding [num_items + 1, D], looked up through the sharded tables."""
-        ids = torch.arange(self.num_items + 1, device=self.device)
-        none = torch.zeros_like(ids)
-        features = KeyedJaggedTensor.from_lengths_sync(  # one id per row under "item", nothing elsewhere
-            keys=["item", "item_neg", "action", "user"], values=ids,
-            lengths=torch.cat([torch.ones_like(ids), none, none, none]))
-        return self.embeddings(features)["item"].values()
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
