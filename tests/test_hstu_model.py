@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from conftest import engine_threads
 from ranks import launch_env, run_on_ranks
@@ -39,13 +40,13 @@ class Losses(Callback):
         self.records.extend(trainer.strategy.step_records)
 
 
-def fit_hstu(model_cls=HSTURecommender, epochs=3, **trainer_kwargs):
+def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     recorder = Losses()
     model = model_cls(**SMALL_MODEL)
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy("full_split_d6"), accelerator="cpu", devices=1,
                          max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder], **trainer_kwargs)
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *callbacks], **trainer_kwargs)
     trainer.fit(model, small_data())
     return model, trainer, recorder
 
@@ -70,9 +71,28 @@ def test_validation_reports_leave_last_out_metrics():
 
 
 class ExplodesAtBatch3(HSTURecommender):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if batch_idx == 3 else loss
+    """Batch 3's embeddings come back non-finite, so its loss is."""
+
+    def hstu_compute_output_dist(self, b):
+        embeddings = self.embeddings.compute_output_dist(b["sparse_input"])
+        if b.index == 3:
+            item = embeddings["item"]
+            # outside autograd: a NaN factor inside the graph would poison the gradients themselves
+            embeddings["item"] = JaggedTensor(values=item.values().detach() * float("nan"), lengths=item.lengths())
+        b["embeddings"] = embeddings
+
+
+class SkipsNonFinite(ExplodesAtBatch3):
+    def __init__(self, **kwargs):
+        super().__init__(on_nonfinite_loss="skip", **kwargs)
+
+
+class DenseWeights(Callback):
+    def __init__(self):
+        self.after = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[batch_idx] = [p.detach().clone() for p in pl_module.objectives.parameters()]
 
 
 @pytest.mark.usefixtures("no_thread_left")
@@ -82,6 +102,20 @@ def test_the_watchdog_stops_training_at_a_non_finite_loss():
     assert (info.value.task, info.value.batch) == ("watchdog", 3)
     assert isinstance(info.value.__cause__, FloatingPointError)
     assert engine_threads() == []
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_the_watchdog_can_skip_the_step_instead():
+    weights = DenseWeights()
+    model, trainer, recorder = fit_hstu(SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[weights])
+    assert model.skipped_batches == [3]
+    assert trainer.global_step == 12  # training went on to the end of the epoch
+    for before, after in zip(weights.after[2], weights.after[3]):
+        assert torch.equal(before, after)  # the skipped batch changed no dense weight
+    assert not any(torch.equal(a, b) for a, b in zip(weights.after[3], weights.after[4]))
+    assert all(torch.isfinite(p).all() for p in model.objectives.parameters())
+    assert all(torch.isfinite(v.local_shards()[0].tensor).all()
+               for v in model.embeddings.model_parallel.state_dict().values())  # no NaN reached the tables
 
 
 def _global_token_loss(rank, world):

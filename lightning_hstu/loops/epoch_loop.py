@@ -52,7 +52,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         start = self.batch_progress.current.ready  # batches of this epoch trained before a resume
         self._batches = EpochBatches(data_fetcher, start=start, stop=self.trainer.num_training_batches,
                                      keep_states=self._strategy.plan.depth + 2,
-                                     all_ranks_have=self._strategy.all_ranks_have)
+                                     all_ranks_have=self._strategy.all_ranks)
         if start and not self._batches.stateful:
             self._batches.skip(start)
             data_fetcher.fetched -= start  # on_run_start already counted them, as for a stateful loader

@@ -37,11 +37,13 @@ class HSTURecommender(pl.LightningModule):
     def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 2, attention_dim: int = 32,
                  hidden_dim: int = 32, max_seq_len: int = 200, dropout: float = 0.1, temperature: float = 0.05,
                  lr: float = 1e-3, sparse_lr: float = 0.05, sparse_optimizer: str = "adagrad",
-                 balance_batches: bool = True,
+                 balance_batches: bool = True, on_nonfinite_loss: str = "raise",
                  num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None):
         super().__init__()
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
+        if on_nonfinite_loss not in ("raise", "skip"):
+            raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: raise, skip")
         self.save_hyperparameters()
         config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
                             dropout=dropout)
@@ -49,6 +51,9 @@ class HSTURecommender(pl.LightningModule):
         self.embeddings: ShardedEmbeddings | None = None
         self.balances: list = []
         """(max/mean before, after) of the balanced shuffler, per batch."""
+        self.skipped_batches: list[int] = []
+        """Batches whose step was skipped because a rank's loss was not finite."""
+        self._nonfinite: set[int] = set()
 
     # ----- built once the process group exists ------------------------------------------------------
 
@@ -103,12 +108,19 @@ class HSTURecommender(pl.LightningModule):
 
     def hstu_finalize_model_grads(self, b: BatchView) -> None:
         self.dense_grads.finalize()
+        if b.index in self._nonfinite:
+            for p in self.objectives.parameters():
+                p.grad = None  # no dense step either: the optimizer skips parameters without gradients
         b["reduced_grads"] = True
 
     def hstu_watchdog(self, b: BatchView) -> None:
-        loss = b["loss"].loss
-        if loss is not None and not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {float(loss)} at batch {b.index}")
+        if b.index not in self._nonfinite:
+            return
+        self._nonfinite.discard(b.index)
+        if self.hparams.on_nonfinite_loss == "raise":
+            raise FloatingPointError(f"non-finite loss at batch {b.index} (on at least one rank); the step was "
+                                     f"not applied")
+        self.skipped_batches.append(b.index)
 
     def on_fit_end(self) -> None:
         if self.balances and self.trainer.is_global_zero and self.shuffler.active:
@@ -121,11 +133,20 @@ class HSTURecommender(pl.LightningModule):
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         slots = self.trainer.strategy.batch_slots
-        retrieval, ranking = self.objectives(batch, slots["embeddings"])
+        embeddings = slots["embeddings"]
+        retrieval, ranking = self.objectives(batch, embeddings)
         scale = dist.get_world_size() / slots["global_tokens"]  # the DP mean of the ranks = global batch loss
         loss = (retrieval + ranking) * scale
+        if not self.trainer.strategy.all_ranks(bool(torch.isfinite(loss))):
+            # Every rank must still run backward (its all-to-alls and all-reduces are collectives), and no
+            # non-finite gradient may reach the fused embedding update: backpropagate an exact zero.
+            self._nonfinite.add(batch_idx)
+            loss = sum(p.sum() for p in self.objectives.parameters()) * 0.0
+            loss = loss + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
         self.log_dict({"train/retrieval": retrieval * scale, "train/ranking": ranking * scale}, batch_size=batch.size)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
+        if self.balances:
+            self.log("shuffle/max_over_mean", self.balances[-1][1], batch_size=batch.size)
         return loss
 
     def validation_step(self, batch: HSTUBatch, batch_idx: int):

@@ -104,15 +104,16 @@ class HSTUPipelineStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # Ranks agree on the end of data over a group of their own, so the agreement never interleaves
-            # with the collectives the tasks launch on the default group.
+            # for all_ranks()
             self._data_group = dist.new_group(backend="gloo")
 
-    def all_ranks_have(self, has_batch: bool) -> bool:
-        """Whether every rank has a next batch (True on a single process when this one has)."""
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank has
+        a next batch", "every rank's loss is finite". Runs on a gloo group of its own, so it never
+        interleaves with the collectives the tasks launch on the default group."""
         if self._data_group is None:
-            return has_batch
-        flag = torch.tensor([int(has_batch)], dtype=torch.int32)
+            return flag
+        flag = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._data_group)
         return bool(flag.item())
 
