@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     presets.add_argument("names", nargs="*", help="presets to show (default: all nine)")
     _add_custom_plan_args(presets)
     presets.add_argument("--verbose", "-v", action="store_true", help="one block per plan, with tickets")
+    presets.add_argument("--plot", metavar="DIR", help="also draw each plan's topology into DIR (PNG and SVG)")
     presets.set_defaults(run=_presets)
 
     demo = commands.add_parser("demo", help="run a plan over a toy CPU workload and print per-task timing")
@@ -98,6 +99,12 @@ def _presets(args: argparse.Namespace) -> int:
         print("\n\n".join(plan.describe() for plan in plans))
     else:
         print(format_preset_table(plans))
+    if args.plot:
+        from .callbacks.pictures import draw_topology
+
+        for plan in plans:
+            for path in draw_topology(plan, f"{args.plot}/{plan.name}"):
+                print(f"wrote {path}")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""Callbacks that show the engine at work."""
+"""Callbacks that show the engine at work: NVTX ranges, per-task timing, traces and pictures."""
 
+from .nvtx_ranges import NVTXCallback
 from .report import RankingReport
 from .timing import TaskTimingCallback
+from .trace import GanttCallback, TraceCallback
 
-__all__ = ["RankingReport", "TaskTimingCallback"]
+__all__ = ["GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]

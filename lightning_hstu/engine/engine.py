@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from time import monotonic, perf_counter
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
-from ..plan import LEGACY_THREAD, Plan, Stream
+from ..plan import LEGACY_THREAD, Plan, PlanTask, Stream
 from .errors import EngineError, StepTimeout, TaskError
 from .records import StepResult, TaskRecord
 from .ring import SKIPPED, BatchView, Ring, RingEntry
@@ -81,7 +81,7 @@ class _Step:
     """What the threads of one step share: which batches exist, completion signals, the first failure."""
 
     __slots__ = ("index", "first", "limit", "ring", "shape", "done", "records", "failure", "aborted", "finished",
-                 "_inboxes", "_gates", "_threads_left", "_lock")
+                 "dispatched_at", "_inboxes", "_gates", "_threads_left", "_lock")
 
     def __init__(self, index: int, first: int, limit: int | None, ring: Ring, shape: _StepShape,
                  inboxes: Mapping[str, queue.SimpleQueue]):
@@ -92,6 +92,7 @@ class _Step:
         self.aborted = False
         self.finished = _Signal()
         """The step barrier: set by the last thread to finish its tasks of this step."""
+        self.dispatched_at = 0.0
         self._inboxes = inboxes
         self._gates = {thread: len(producers) for thread, (_, producers) in shape.gates.items()}
         self._threads_left = len(shape.threads)
@@ -99,6 +100,7 @@ class _Step:
 
     def dispatch(self) -> None:
         """Hand the step to every thread that can start now; gated ones follow as their producers finish."""
+        self.dispatched_at = perf_counter()
         for thread in self.shape.threads:
             if thread not in self._gates:
                 self._inboxes[thread].put(self)
@@ -152,6 +154,15 @@ class _Step:
             self._inboxes[thread].put(self)
 
 
+class TaskObserver(Protocol):
+    """Called on the thread that runs each task, right around its body (NVTX ranges, profilers).
+    ``task_ended`` is called also when the body raised."""
+
+    def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None: ...
+
+    def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None: ...
+
+
 class Engine:
     """Runs ``plan`` with one body per task. Use as a context manager, or ``start()`` and ``close()``.
 
@@ -159,12 +170,15 @@ class Engine:
     index) or to None when the task has nothing to do. ``device``: a CUDA device makes every task run on
     its plan stream with per-(task, batch) events; None or a CPU device runs on the host alone.
     ``step_timeout``: seconds after which a step that has not finished is reported and aborted (threaded
-    plans only: a legacy plan runs on the caller's thread, which cannot watch itself).
+    plans only: a legacy plan runs on the caller's thread, which cannot watch itself). ``observers``:
+    ``TaskObserver``s called around every task body, on the thread that runs it.
     """
 
     def __init__(self, plan: Plan, bodies: Mapping[str, Body | None], *, device: Any = None,
-                 step_timeout: float | None = None, join_timeout: float = 10.0):
+                 step_timeout: float | None = None, join_timeout: float = 10.0,
+                 observers: Iterable["TaskObserver"] = ()):
         self.plan = plan
+        self._observers = tuple(observers)
         self.step_timeout = step_timeout
         self._program = schedule(plan, bodies)
         self._lookahead = {t.name: t.lookahead for t in plan.tasks}
@@ -368,41 +382,55 @@ class Engine:
                 step.thread_finished()
 
     def _run_tasks(self, thread: str, step: _Step) -> None:
+        # A gated thread was handed the step only once its first task's producers were done: that task
+        # waited from the dispatch, on them (the record must show the wait the gate replaced).
+        gate = step.shape.gates.get(thread)
         for scheduled in self._program[thread]:
             task = scheduled.task
             batch = step.index + task.lookahead
             if not step.has_batch(batch):
                 continue
-            waited_from = perf_counter()
-            self._wait_for_producers(thread, scheduled, batch, step)
+            waited_from = perf_counter() if gate is None else step.dispatched_at
+            waited_on = self._wait_for_producers(thread, scheduled, batch, step)
+            if gate is not None:
+                waited_on, gate = gate[1] + waited_on, None
             if step.aborted:
                 return
             start = perf_counter()
             self._activity[thread] = ("running", task.name, batch)
             entry = step.ring.get(batch)
+            for observer in self._observers:
+                observer.task_started(task, batch, step.index, thread)
             try:
                 result = self._call(scheduled, entry, step)
             except BaseException as exc:
                 step.fail(TaskError(task.name, batch, step.index, thread, exc), exc)
                 return
+            finally:
+                for observer in self._observers:
+                    observer.task_ended(task, batch, step.index, thread)
             end = perf_counter()
             step.task_done(task.name)
             step.records.append(TaskRecord(task.name, batch, step.index, thread, start, end,
-                                           start - waited_from, result is SKIPPED))
+                                           start - waited_from, result is SKIPPED, waited_on))
 
-    def _wait_for_producers(self, thread: str, scheduled: ScheduledTask, batch: int, step: _Step) -> None:
+    def _wait_for_producers(self, thread: str, scheduled: ScheduledTask, batch: int, step: _Step) -> tuple[str, ...]:
+        """Block until this step's producers of the task are done; return those it actually waited for."""
         name = scheduled.task.name
-        for producer in scheduled.host_waits:
-            self._wait(thread, step, producer, ("waiting for", producer, name, batch))
+        blocked = [p for p in scheduled.host_waits
+                   if self._wait(thread, step, p, ("waiting for", p, name, batch))]
         holder = step.shape.ticket_prev.get(name)
-        if holder is not None:
-            self._wait(thread, step, holder, ("waiting for the ticket after", holder, name, batch))
+        if holder is not None and self._wait(thread, step, holder, ("waiting for the ticket after", holder, name, batch)):
+            blocked.append(holder)
+        return tuple(blocked)
 
-    def _wait(self, thread: str, step: _Step, producer: str, activity: tuple) -> None:
+    def _wait(self, thread: str, step: _Step, producer: str, activity: tuple) -> bool:
         done = step.done.get(producer)  # absent: the producer does not run in this step
-        if done is not None and not done.is_set():
-            self._activity[thread] = activity
-            done.wait()
+        if done is None or done.is_set():
+            return False
+        self._activity[thread] = activity
+        done.wait()
+        return True
 
     def _call(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step) -> Any:
         if not self._streams.enabled:

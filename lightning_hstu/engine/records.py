@@ -21,6 +21,8 @@ class TaskRecord(NamedTuple):
     """Seconds spent waiting for other threads (wait edges and the collective ticket) before ``start``."""
     skipped: bool = False
     """The task had nothing to do for this batch (no body, or the body returned ``SKIPPED``)."""
+    waited_on: tuple[str, ...] = ()
+    """Producers on other threads this run actually blocked on (wait edges, or the ticket holder)."""
 
     @property
     def duration(self) -> float:

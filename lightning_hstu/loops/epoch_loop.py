@@ -96,7 +96,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
             device = self.trainer.strategy.root_device
             self._engine = Engine(self._strategy.plan, self._tasks.bodies(),
                                   device=device if device.type == "cuda" else None,
-                                  step_timeout=self._strategy.step_timeout).start()
+                                  step_timeout=self._strategy.step_timeout,
+                                  observers=self._strategy.engine_observers).start()
             self._strategy._engine = self._engine
         return self._engine
 

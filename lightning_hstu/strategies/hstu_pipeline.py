@@ -11,7 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ..engine import Engine, TaskRecord
+from ..engine import Engine, TaskObserver, TaskRecord
 from ..plan import PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
 
 
@@ -56,6 +56,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         self.step_timeout = step_timeout
         self.step_records: list[TaskRecord] = []
         """Task records of the engine steps since the previous ``on_train_batch_end`` (for callbacks)."""
+        self.engine_observers: list[TaskObserver] = []
+        """Called around every task on its thread; callbacks add theirs in ``setup`` (NVTXCallback)."""
         self._engine: Engine | None = None
         self._data_group: Any = None
 

@@ -1,0 +1,96 @@
+"""The callbacks that show the engine, in real CPU fits: NVTX ranges, timing, trace, pictures."""
+
+import json
+import threading
+from collections import Counter, defaultdict
+
+import nvtx
+import pytest
+
+from lightning_runs import fit
+
+from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
+from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
+from lightning_hstu.cli import main
+from lightning_hstu.plan import HSTU_TASK_NAMES
+
+
+@pytest.fixture
+def nvtx_calls(monkeypatch):
+    """Every push/pop of an NVTX range, with the thread that made it (the real functions still run)."""
+    calls = []
+    push, pop = nvtx.push_range, nvtx.pop_range
+
+    def recording_push(message=None, color="blue", domain=None, category=None, payload=None):
+        calls.append(("push", threading.current_thread().name, message, payload))
+        return push(message=message, color=color, domain=domain, category=category, payload=payload)
+
+    def recording_pop(domain=None):
+        calls.append(("pop", threading.current_thread().name, None, None))
+        return pop(domain=domain)
+
+    monkeypatch.setattr(nvtx, "push_range", recording_push)
+    monkeypatch.setattr(nvtx, "pop_range", recording_pop)
+    return calls
+
+
+def test_nvtx_ranges_are_balanced_per_thread_and_name_task_and_batch(nvtx_calls):
+    fit(HSTUPipelineStrategy("per_task_d3"), callbacks=[NVTXCallback(step_ranges=True)], max_epochs=1)
+    depth = defaultdict(int)
+    for kind, thread, _, _ in nvtx_calls:
+        depth[thread] += 1 if kind == "push" else -1
+        assert depth[thread] >= 0, thread
+    assert all(d == 0 for d in depth.values())
+    plan = get_plan("per_task_d3")
+    task_ranges = Counter((message.split("@")[0], payload) for kind, thread, message, payload in nvtx_calls
+                          if kind == "push" and thread.startswith("hstu-"))
+    assert task_ranges == Counter({(t, b): 1 for t in HSTU_TASK_NAMES for b in range(12)})
+    for kind, thread, message, payload in nvtx_calls:
+        if kind == "push" and thread.startswith("hstu-"):
+            task = message.split("@")[0]
+            assert thread == f"hstu-{plan.task(task).thread}"  # opened on the thread that runs the task
+            assert message == f"{task}@b{payload} la{plan.task(task).lookahead}"
+    batch_ranges = [m for kind, t, m, _ in nvtx_calls if kind == "push" and m.startswith("batch ")]
+    assert batch_ranges == [f"batch {i}" for i in range(12)]
+
+
+def test_timing_counts_every_task_once_per_batch_and_waits_only_on_wait_edges(capsys):
+    timing = TaskTimingCallback(log_every_n_steps=0)
+    fit(HSTUPipelineStrategy("per_task_d3"), callbacks=[timing], max_epochs=2)
+    plan = get_plan("per_task_d3")
+    assert Counter(r.task for r in timing.records) == Counter({t: 24 for t in HSTU_TASK_NAMES})
+    allowed = {(p, c) for p, c in plan.wait_edges}
+    for consumer, previous in zip(plan.ticket_order[1:], plan.ticket_order):
+        allowed.add((previous, consumer))  # the collective ticket
+    waited = {(p, r.task) for r in timing.records for p in r.waited_on}
+    assert waited and waited <= allowed
+    assert all(r.wait == 0 or r.waited_on for r in timing.records if r.wait > 1e-3)
+    table = capsys.readouterr().out
+    assert "per-task host timing (per_task_d3" in table and "finalize_model_grads" in table
+
+
+def test_the_trace_has_a_track_per_thread_and_every_task_of_the_traced_steps(tmp_path):
+    path = tmp_path / "trace.json"
+    fit(HSTUPipelineStrategy("full_split_d6"), callbacks=[TraceCallback(str(path), first_batch=4, num_batches=3)],
+        max_epochs=1)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert tracks == set(get_plan("full_split_d6").threads)
+    slices = [e for e in events if e["ph"] == "X"]
+    assert Counter(e["name"] for e in slices) == Counter({t: 3 for t in HSTU_TASK_NAMES})
+    assert {e["args"]["step"] for e in slices} == {4, 5, 6}
+    assert all(e["args"]["batch"] == e["args"]["step"] + e["args"]["lookahead"] for e in slices)
+    starts = [e for e in events if e["ph"] == "s"]
+    finishes = [e for e in events if e["ph"] == "f"]
+    assert len(starts) == len(finishes) > 0  # full_split_d6 waits (at least on the ticket)
+
+
+def test_pictures_are_written(tmp_path, capsys):
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[GanttCallback(str(tmp_path / "gantt"), batch=5)],
+        max_epochs=1)
+    assert main(["presets", "--plot", str(tmp_path / "topology")]) == 0
+    for path in [tmp_path / "gantt.png", *(tmp_path / "topology" / f"{n}.png" for n in PRESET_NAMES)]:
+        data = path.read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000, path
+        assert path.with_suffix(".svg").read_text().lstrip().startswith("<?xml")
