@@ -1,6 +1,7 @@
 """The HSTU workload under the engine: every task doing its real job, the watchdog, and the loss that the
 global token count makes independent of how ranks split a global batch."""
 
+import json
 import re
 import subprocess
 import sys
@@ -150,7 +151,9 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
     env = launch_env()
     script = Path(sys.executable).parent / "lightning-hstu"
     result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
-                             "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}"],
+                             "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}",
+                             "--trainer.callbacks+=lightning_hstu.callbacks.CollectiveInventoryCallback",
+                             "--trainer.callbacks.init_args.batch=10"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {m.group(1): (int(m.group(2)), int(m.group(3)))
@@ -163,3 +166,19 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
         assert skipped == (runs if task == "prefetch_embeddings" else 0), task
     before, after = map(float, re.search(r"max/mean rank cost ([\d.]+) -> ([\d.]+)", result.stdout).groups())
     assert after < before
+    # the seed's collective table, per task, as launched in the step that trained batch 10
+    launched = {}
+    for c in json.loads((tmp_path / "collectives.json").read_text()):
+        launched.setdefault(c["task"], []).append(c["operation"])
+        assert c["payload_bytes"] and c["thread"] == plan.task(c["task"]).thread
+    assert launched == {
+        "start_shuffle": ["allgather"],  # per-sample workloads
+        "finish_shuffle": ["allgather", "allgather"],  # KJT lengths, then values
+        "start_input_dist": ["alltoall"],  # TorchRec's splits
+        "wait_input_dist": ["alltoall", "alltoall"],  # KJT lengths, then ids
+        "global_tokens_allreduce": ["allreduce"],
+        "compute_output_dist": ["alltoall"],  # embedding output
+        "forward": ["allreduce"],  # every rank's loss finite? (the watchdog's agreement)
+        "backward": ["alltoall"],  # embedding output, backward
+        "finalize_model_grads": ["allreduce"],  # megatron-core's gradient bucket
+    }

@@ -1,8 +1,9 @@
 """Callbacks that show the engine at work: NVTX ranges, per-task timing, traces and pictures."""
 
+from .collectives import CollectiveInventoryCallback
 from .nvtx_ranges import NVTXCallback
 from .report import RankingReport
 from .timing import TaskTimingCallback
 from .trace import GanttCallback, TraceCallback
 
-__all__ = ["GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]
+__all__ = ["CollectiveInventoryCallback", "GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]
