@@ -46,3 +46,14 @@ def test_preset_on_cuda_trains_like_lightning(preset, lightning_on_gpu):
     for name, value in expected.state_dict().items():
         # the embedding backward accumulates with atomics on the GPU: equal up to summation order
         torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_device_time_is_measured_per_task_on_its_stream():
+    from lightning_hstu.callbacks import TaskTimingCallback
+
+    timing = TaskTimingCallback(log_every_n_steps=0, device_time=True)
+    fit(HSTUPipelineStrategy("full_split_d6"), callbacks=[timing], accelerator="cuda", max_epochs=1)
+    assert set(timing.device_ms) == {r.task for r in timing.records}
+    assert all(len(ms) == 12 for ms in timing.device_ms.values())
+    assert all(t >= 0 for ms in timing.device_ms.values() for t in ms)
+    assert sum(timing.device_ms["forward"]) > 0

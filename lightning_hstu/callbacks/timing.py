@@ -1,10 +1,14 @@
 """Per-task timing from the engine's task records, logged through the Trainer's loggers and printed as a
-table when fit ends."""
+table when fit ends; on a GPU, optionally the device time of each task from CUDA events on its stream."""
 
+import statistics
+
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from ..engine import TaskRecord, format_summary, summarize
+from ..plan import PlanTask
 
 
 class TaskTimingCallback(Callback):
@@ -12,13 +16,35 @@ class TaskTimingCallback(Callback):
 
     ``log_every_n_steps``: log mean host ms and wait ms per task (``timing/<task>/host_ms``) that often;
     0 logs nothing. ``print_table``: print count, skipped, mean / p50 / p99 host ms and mean wait per task
-    at the end of fit (rank 0).
+    at the end of fit (rank 0). ``device_time``: on a CUDA device, also time each task's GPU work with
+    CUDA events recorded on its stream (the elapsed time between the events around its body: the work
+    it queued, plus whatever its stream still had to finish); read once the fit ends.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, print_table: bool = True):
-        self.log_every_n_steps, self.print_table = log_every_n_steps, print_table
+    def __init__(self, log_every_n_steps: int = 50, print_table: bool = True, device_time: bool = False):
+        self.log_every_n_steps, self.print_table, self.device_time = log_every_n_steps, print_table, device_time
         self.records: list[TaskRecord] = []
         self._window: list[TaskRecord] = []
+        self._events: list[tuple[str, object, object]] = []
+        self._open: dict[tuple[str, int], object] = {}
+        self.device_ms: dict[str, list[float]] = {}
+        """Task -> device milliseconds of each run (filled at the end of fit when ``device_time``)."""
+
+    def setup(self, trainer, pl_module, stage):
+        observers = getattr(trainer.strategy, "engine_observers", None)
+        if self.device_time and trainer.strategy.root_device.type == "cuda" and observers is not None:
+            if self not in observers:
+                observers.append(self)
+
+    def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()  # on the current stream: the task's own
+        self._open[(task.name, batch)] = start
+
+    def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((task.name, self._open.pop((task.name, batch)), end))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         records = list(getattr(trainer.strategy, "step_records", ()))
@@ -34,6 +60,11 @@ class TaskTimingCallback(Callback):
             self._window = []
 
     def on_fit_end(self, trainer, pl_module):
+        if self._events:
+            torch.cuda.synchronize()
+            for task, start, end in self._events:
+                self.device_ms.setdefault(task, []).append(start.elapsed_time(end))
+            self._events = []
         if self.print_table and self.records:
             self._print(trainer)
 
@@ -41,6 +72,13 @@ class TaskTimingCallback(Callback):
     def _print(self, trainer) -> None:
         print(f"\nper-task host timing ({trainer.strategy.plan.name}, {len(self.records)} task runs):")
         print(format_summary(summarize(self.records, _task_order(trainer))))
+        if self.device_ms:
+            print("\nper-task device time (CUDA events on the task's stream):")
+            print(f"{'task':<24} {'runs':>5} {'mean ms':>8} {'p50 ms':>8}")
+            for task in _task_order(trainer):
+                if task in self.device_ms:
+                    ms = self.device_ms[task]
+                    print(f"{task:<24} {len(ms):>5} {statistics.fmean(ms):>8.3f} {statistics.median(ms):>8.3f}")
 
 
 def _task_order(trainer) -> list[str]:

@@ -155,8 +155,8 @@ class _Step:
 
 
 class TaskObserver(Protocol):
-    """Called on the thread that runs each task, right around its body (NVTX ranges, profilers).
-    ``task_ended`` is called also when the body raised."""
+    """Called on the thread that runs each task, right around its body and inside its CUDA stream (NVTX
+    ranges, profilers, CUDA events). ``task_ended`` is called also when the body raised."""
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None: ...
 
@@ -399,16 +399,11 @@ class Engine:
             start = perf_counter()
             self._activity[thread] = ("running", task.name, batch)
             entry = step.ring.get(batch)
-            for observer in self._observers:
-                observer.task_started(task, batch, step.index, thread)
             try:
-                result = self._call(scheduled, entry, step)
+                result = self._call(scheduled, entry, step, thread)
             except BaseException as exc:
                 step.fail(TaskError(task.name, batch, step.index, thread, exc), exc)
                 return
-            finally:
-                for observer in self._observers:
-                    observer.task_ended(task, batch, step.index, thread)
             end = perf_counter()
             step.task_done(task.name)
             step.records.append(TaskRecord(task.name, batch, step.index, thread, start, end,
@@ -432,9 +427,9 @@ class Engine:
         done.wait()
         return True
 
-    def _call(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step) -> Any:
+    def _call(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step, thread: str) -> Any:
         if not self._streams.enabled:
-            return SKIPPED if scheduled.body is None else scheduled.body(BatchView(entry, scheduled.task, step.index))
+            return self._body(scheduled, entry, step, thread)
         streams, task = self._streams, scheduled.task
         with streams.use(task.stream):
             for edge in scheduled.stream_inputs:
@@ -445,9 +440,20 @@ class Engine:
                 streams.wait(task.stream, producer_entry.events[edge.producer])
                 for slot in edge.slots:
                     streams.keep_alive(entry.slots.get(slot), task.stream)
-            result = SKIPPED if scheduled.body is None else scheduled.body(BatchView(entry, task, step.index))
+            result = self._body(scheduled, entry, step, thread)
             entry.events[task.name] = streams.record(task.stream)
         return result
+
+    def _body(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step, thread: str) -> Any:
+        """The task's body between its observers (inside its stream, so that they can record events on it)."""
+        task = scheduled.task
+        for observer in self._observers:
+            observer.task_started(task, entry.index, step.index, thread)
+        try:
+            return SKIPPED if scheduled.body is None else scheduled.body(BatchView(entry, task, step.index))
+        finally:
+            for observer in self._observers:
+                observer.task_ended(task, entry.index, step.index, thread)
 
     def _describe_activity(self, step: _Step) -> dict[str, str]:
         frames = sys._current_frames()
