@@ -124,7 +124,8 @@ class HistoryDataModule(pl.LightningDataModule):
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
         return DataLoader(_ListDataset(self.train_histories), batch_size=self.batch_size, shuffle=True,
                           drop_last=True, generator=torch.Generator().manual_seed(self.seed),
-                          collate_fn=Collate(self.num_items, self.negatives, self.seed), num_workers=self.num_workers)
+                          collate_fn=Collate(self.num_items, self.negatives, self.seed), num_workers=self.num_workers,
+                          pin_memory=torch.cuda.is_available())  # pinned: the h2d copy can be asynchronous
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_ListDataset(self.evaluation), batch_size=self.batch_size,

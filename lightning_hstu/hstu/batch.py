@@ -25,7 +25,9 @@ class HSTUBatch:
     def sequence_lengths(self) -> torch.Tensor:
         return self.features[self.sequence_keys[0]].lengths()
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "HSTUBatch":
+    def to(self, device: torch.device, non_blocking: bool = True) -> "HSTUBatch":
+        # Non-blocking by default: Lightning's transfer passes no flag for non-tensor batches, and the h2d
+        # task runs on its own stream, whose copy the engine's events order before every consumer.
         return replace(self, features=self.features.to(device=device, non_blocking=non_blocking))
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
