@@ -144,7 +144,6 @@ def _compare(rank, world):
     model.embeddings = ShardedEmbeddings(tables, torch.device("cpu"), optimizer_kwargs={"lr": 0.1})
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(data.batch_size, enabled=False)  # the pipeline has no shuffler
-    model.balances = []
     initial = weights(model)
     results = {}
     for preset in PRESETS:

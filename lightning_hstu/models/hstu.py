@@ -49,8 +49,8 @@ class HSTURecommender(pl.LightningModule):
                             dropout=dropout)
         self.objectives = HSTUObjectives(config, num_actions or 5, temperature)
         self.embeddings: ShardedEmbeddings | None = None
-        self.balances: list = []
-        """(max/mean before, after) of the balanced shuffler, per batch."""
+        self.balance_totals = [0.0, 0.0, 0]
+        """Sums of the shuffler's max/mean rank cost before and after, and the number of global batches."""
         self.skipped_batches: list[int] = []
         """Batches whose step was skipped because a rank's loss was not finite."""
         self._nonfinite: set[int] = set()
@@ -85,8 +85,8 @@ class HSTURecommender(pl.LightningModule):
 
     def hstu_finish_shuffle(self, b: BatchView) -> None:
         b["shuffled_batch"] = self.shuffler.finish(b["workloads"])
-        balance = self.shuffler.last_balance
-        self.balances.append((balance.before, balance.after))
+        balance, totals = self.shuffler.last_balance, self.balance_totals
+        totals[0], totals[1], totals[2] = totals[0] + balance.before, totals[1] + balance.after, totals[2] + 1
 
     def hstu_start_input_dist(self, b: BatchView) -> None:
         b["input_dist_splits"] = self.embeddings.start_input_dist(sparse_features(b["shuffled_batch"]))
@@ -123,11 +123,10 @@ class HSTURecommender(pl.LightningModule):
         self.skipped_batches.append(b.index)
 
     def on_fit_end(self) -> None:
-        if self.balances and self.trainer.is_global_zero and self.shuffler.active:
-            before = sum(b for b, _ in self.balances) / len(self.balances)
-            after = sum(a for _, a in self.balances) / len(self.balances)
-            print(f"\nbalanced shuffler: max/mean rank cost {before:.3f} -> {after:.3f} "
-                  f"(mean over {len(self.balances)} global batches)")
+        before, after, batches = self.balance_totals
+        if batches and self.trainer.is_global_zero and self.shuffler.active:
+            print(f"\nbalanced shuffler: max/mean rank cost {before / batches:.3f} -> {after / batches:.3f} "
+                  f"(mean over {batches} global batches)")
 
     # ----- training and evaluation --------------------------------------------------------------------
 
@@ -145,8 +144,8 @@ class HSTURecommender(pl.LightningModule):
             loss = loss + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
         self.log_dict({"train/retrieval": retrieval * scale, "train/ranking": ranking * scale}, batch_size=batch.size)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
-        if self.balances:
-            self.log("shuffle/max_over_mean", self.balances[-1][1], batch_size=batch.size)
+        if self.shuffler.last_balance is not None:
+            self.log("shuffle/max_over_mean", self.shuffler.last_balance.after, batch_size=batch.size)
         return loss
 
     def validation_step(self, batch: HSTUBatch, batch_idx: int):
