@@ -235,10 +235,6 @@ class Engine:
         """The CUDA stream that tasks of stream ``which`` run on (None without CUDA)."""
         return self._streams.stream(which)
 
-    @property
-    def threads_alive(self) -> list[str]:
-        return [name for name, worker in self._workers.items() if worker.is_alive()]
-
     # ----- running ---------------------------------------------------------------------------------
 
     def run(self, batches: Iterable[Any]) -> list[TaskRecord]:

@@ -42,11 +42,6 @@ def schedule(plan: Plan, bodies: Mapping[str, Body | None]) -> dict[str, tuple[S
     return {thread: tuple(scheduled[n] for n in names) for thread, names in plan.threads.items()}
 
 
-def signalled_tasks(plan: Plan) -> frozenset[str]:
-    """Tasks another thread may wait for within a step: wait-edge producers and ticket holders."""
-    return frozenset(p for p, _ in plan.wait_edges) | frozenset(plan.ticket_order)
-
-
 def _schedule_task(plan: Plan, task: PlanTask, body: Body | None) -> ScheduledTask:
     host_waits = tuple(p for p, c in plan.sorted_wait_edges() if c == task.name)
     stream_inputs = tuple(
