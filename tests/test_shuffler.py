@@ -69,3 +69,18 @@ def test_one_rank_is_the_identity():
     shuffler = BalancedShuffler(local_batch_size=8)
     assert shuffler.finish(shuffler.start(batch)) is batch
     assert (shuffler.last_balance.before, shuffler.last_balance.after) == (1.0, 1.0)
+
+
+def _short_batch(rank, world):
+    shuffler = BalancedShuffler(local_batch_size=16)
+    try:
+        shuffler.start(make_batch(range(rank * 16, rank * 16 + 15)))  # one sample short
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_batch_of_the_wrong_size_is_named_before_any_collective(tmp_path):
+    for message in run_on_ranks(_short_batch, tmp_path):
+        assert message == ("balanced shuffling needs batches of local_batch_size=16 samples on every rank, "
+                           "got 15 (use drop_last=True, or disable it)")
