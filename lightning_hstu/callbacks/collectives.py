@@ -8,6 +8,7 @@ launch order.
 """
 
 import json
+import math
 import re
 import threading
 from dataclasses import asdict, dataclass
@@ -120,21 +121,17 @@ def _operation(name: str) -> str:
 
 
 def _bytes(event) -> int | None:
+    """Bytes of the first input of a backend event (an empty shape is a scalar: one element)."""
     shapes, dtypes = event.input_shapes, getattr(event, "input_dtypes", None)
     if not shapes or not dtypes or not dtypes[0]:
-        return None  # (an empty shape is a scalar: one element)
-    numel = 1
-    for size in shapes[0]:
-        numel *= size
-    try:
-        return numel * torch.empty((), dtype=getattr(torch, dtypes[0].replace("c10::", "").lower(), None) or
-                                   _DTYPES[dtypes[0]]).element_size()
-    except (KeyError, TypeError):
         return None
+    dtype = _DTYPES.get(dtypes[0]) or getattr(torch, dtypes[0].replace("c10::", "").lower(), None)
+    return math.prod(shapes[0]) * dtype.itemsize if isinstance(dtype, torch.dtype) else None
 
 
 _DTYPES = {"float": torch.float32, "double": torch.float64, "long int": torch.int64, "int": torch.int32,
-           "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "bool": torch.bool}
+           "bool": torch.bool}
+"""The profiler's C type names that are not torch attribute names (c10::BFloat16 etc. are found by name)."""
 
 
 def format_inventory(inventory: list[Collective]) -> str:

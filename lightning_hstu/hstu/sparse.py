@@ -47,7 +47,6 @@ class ShardedEmbeddings(torch.nn.Module):
         self.model_parallel = DistributedModelParallel(
             collection, device=device, plan=plan, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
             init_data_parallel=False)  # dense gradients are megatron-core's business, not torch DDP's
-        self.feature_names = [name for t in tables for name in t.feature_names]
 
     @property
     def sharded(self) -> Any:
