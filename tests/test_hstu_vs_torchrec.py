@@ -5,118 +5,22 @@ Both runs share one model: the HSTU objectives (dense, data-parallel through meg
 sharded embeddings (fused SGD in backward), reset to the same initial weights before each run.
 """
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-from torchrec.streamable import Pipelineable
 
 from ranks import run_on_ranks
 from test_hstu_model import SMALL_MODEL, small_data
 
 from lightning_hstu import Engine, get_plan
-from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
+from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies
 from lightning_hstu.hstu.shuffler import BalancedShuffler
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
-from lightning_hstu.models.hstu import HSTURecommender, embedding_tables, sparse_features
+from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 PRESETS = ("legacy_none", "default_d6", "full_split_d3")
 STEPS = 6
-
-
-@dataclass
-class PipelineBatch(Pipelineable):
-    """What TorchRec's pipeline wants: the embedding features as an attribute it can trace."""
-
-    sparse: KeyedJaggedTensor
-    full: HSTUBatch
-
-    def to(self, device, non_blocking=False):
-        return PipelineBatch(self.sparse.to(device, non_blocking=non_blocking), self.full.to(device, non_blocking))
-
-    def record_stream(self, stream):
-        self.sparse.record_stream(stream)
-        self.full.record_stream(stream)
-
-    def pin_memory(self):
-        return PipelineBatch(self.sparse.pin_memory(), self.full.pin_memory())
-
-
-class GlobalTokenLoss(nn.Module):
-    """The dense step of the reference: objectives, normalised by the all-reduced token count. Holds no
-    sharded module, so TorchRec's tracer calls it as a leaf."""
-
-    def __init__(self, objectives):
-        super().__init__()
-        self.objectives = objectives
-
-    def forward(self, batch: HSTUBatch, embeddings):
-        tokens = batch.sequence_lengths().sum().to(torch.float32)
-        dist.all_reduce(tokens)
-        retrieval, ranking = self.objectives(batch, embeddings)
-        return (retrieval + ranking) * dist.get_world_size() / tokens
-
-
-class Reference(nn.Module):
-    def __init__(self, embeddings: ShardedEmbeddings, loss: GlobalTokenLoss):
-        super().__init__()
-        self.sparse, self.loss = embeddings.model_parallel, loss
-
-    def forward(self, batch: PipelineBatch):
-        loss = self.loss(batch.full, self.sparse(batch.sparse))
-        return loss, loss.detach()
-
-
-class FinalizingSGD(torch.optim.SGD):
-    """The pipeline calls zero_grad and step: megatron-core's buffers are cleared and reduced there."""
-
-    def __init__(self, params, grads: MegatronDenseGrads, lr):
-        super().__init__(params, lr=lr)
-        self.grads = grads
-
-    def zero_grad(self, set_to_none=True):
-        self.grads.zero_grad()
-
-    def step(self, closure=None):
-        self.grads.finalize()
-        return super().step(closure)
-
-
-def engine_bodies(model: HSTURecommender, optimizer, losses: list):
-    def h2d(b):
-        b["device_batch"] = b["batch"]
-
-    def zero_grad(b):
-        optimizer.zero_grad()
-        b["grads_cleared"] = True
-
-    def forward(b):
-        retrieval, ranking = model.objectives(b["shuffled_batch"], b["embeddings"])
-        b["loss"] = (retrieval + ranking) * dist.get_world_size() / b["global_tokens"]
-
-    def backward(b):
-        b["loss"].backward()
-        b["grads"] = True
-
-    def optimizer_step(b):
-        torch.optim.SGD.step(optimizer)  # gradients were finalised by their own task
-        b["stepped"] = True
-
-    def watchdog(b):
-        losses.append(float(b["loss"]))
-
-    return {"h2d": h2d, "start_shuffle": model.hstu_start_shuffle, "finish_shuffle": model.hstu_finish_shuffle,
-            "start_input_dist": model.hstu_start_input_dist, "wait_input_dist": model.hstu_wait_input_dist,
-            "prefetch_embeddings": model.hstu_prefetch_embeddings, "zero_grad": zero_grad,
-            "global_tokens_allreduce": model.hstu_global_tokens_allreduce,
-            "compute_output_dist": model.hstu_compute_output_dist, "forward": forward, "backward": backward,
-            "finalize_model_grads": model.hstu_finalize_model_grads, "optimizer_step": optimizer_step,
-            "watchdog": watchdog}
 
 
 def weights(model: HSTURecommender):
@@ -149,15 +53,14 @@ def _compare(rank, world):
     for preset in PRESETS:
         restore(model, initial)
         losses = []
-        optimizer = FinalizingSGD(model.objectives.parameters(), model.dense_grads, lr=0.05)
+        optimizer = torch.optim.SGD(model.objectives.parameters(), lr=0.05)
         with Engine(get_plan(preset), engine_bodies(model, optimizer, losses)) as engine:
             engine.run(batches)
-        results[preset] = (losses, weights(model))
+        results[preset] = ([float(loss) for loss in losses], weights(model))
     restore(model, initial)
-    optimizer = FinalizingSGD(model.objectives.parameters(), model.dense_grads, lr=0.05)
-    pipeline = TrainPipelineSparseDist(Reference(model.embeddings, GlobalTokenLoss(model.objectives)), optimizer,
-                                       torch.device("cpu"))
-    iterator = iter([PipelineBatch(sparse_features(b), b) for b in batches])
+    optimizer = FinalizingOptimizer(torch.optim.SGD(model.objectives.parameters(), lr=0.05), model.dense_grads)
+    pipeline = TrainPipelineSparseDist(PipelineModel(model), optimizer, torch.device("cpu"))
+    iterator = iter([PipelineBatch.of(b) for b in batches])
     losses = []
     while True:
         try:

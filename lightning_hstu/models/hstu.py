@@ -24,13 +24,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch
 from ..hstu.dense_grads import MegatronDenseGrads
+from ..hstu.loop import sparse_features
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, to_padded
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 """Optimizers TorchRec fuses into the embedding backward."""
-SPARSE_KEY_COUNT = 4  # item, item_neg, action, user come first in every batch (see data.histories)
 
 
 class HSTURecommender(pl.LightningModule):
@@ -227,9 +227,3 @@ def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int)
         EmbeddingConfig(name="action", embedding_dim=dim, num_embeddings=num_actions, feature_names=["action"]),
         EmbeddingConfig(name="user", embedding_dim=dim, num_embeddings=num_users + 1, feature_names=["user"]),
     ]
-
-
-def sparse_features(batch: HSTUBatch):
-    """The keys the EmbeddingCollection embeds (the batch's first four)."""
-    keys = batch.features.keys()
-    return batch.features.split([SPARSE_KEY_COUNT, len(keys) - SPARSE_KEY_COUNT])[0]
