@@ -1,0 +1,195 @@
+"""The HSTU step on one device under a plain PyTorch loop, TorchRec's TrainPipelineSparseDist and the
+engine's nine presets: steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel
+time per step and host time per engine thread. Prints a table.
+
+    python benchmarks/hstu_pipelines.py [--workloads light heavy] [--steps 30] [--repeats 3]
+
+Workloads (batch 32, zipf(1.2) history lengths capped at L, a 1M-row item table, bf16 autocast on CUDA):
+light: L=256, width 128, 2 layers, 2 heads x 32; heavy: L=1024, width 512, 8 layers, 4 heads x 128.
+(The model's token embeddings have the model's width.) ``--small`` shrinks everything for a CPU smoke run.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_hstu import PRESET_NAMES, Engine, get_plan
+from lightning_hstu.hstu.batch import HSTUBatch
+from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
+from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
+from lightning_hstu.hstu.shuffler import BalancedShuffler
+from lightning_hstu.hstu.sparse import ShardedEmbeddings
+from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
+
+WORKLOADS = {
+    "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
+    "heavy": dict(max_len=1024, embedding_dim=512, num_layers=8, num_heads=4, attention_dim=128, hidden_dim=128),
+}
+SMALL = dict(max_len=32, embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8)
+
+
+def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
+    """Pinned HSTUBatches with zipf(1.2)-like lengths (P(length > x) ~ x^-0.2), capped at max_len."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        lengths = torch.rand(batch_size, generator=gen).pow(-5.0).long().clamp(2, max_len)
+        events = int(lengths.sum())
+        values = [torch.randint(1, num_items + 1, (events,), generator=gen),
+                  torch.randint(1, num_items + 1, (batch_size * negatives,), generator=gen),
+                  torch.randint(0, 5, (events,), generator=gen),
+                  torch.randint(1, 1000, (batch_size,), generator=gen),
+                  torch.cumsum(torch.randint(0, 3600, (events,), generator=gen), 0)]
+        key_lengths = [lengths, torch.full((batch_size,), negatives), lengths, torch.ones(batch_size, dtype=torch.long),
+                       lengths]
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["item", "item_neg", "action", "user", "time"],
+                                                  values=torch.cat(values), lengths=torch.cat(key_lengths))
+        batch = HSTUBatch(kjt, sequence_keys=("item", "action", "time"))
+        batches.append(batch.pin_memory() if torch.cuda.is_available() else batch)
+    return batches
+
+
+def build_model(sizes, device, num_items):
+    torch.manual_seed(0)
+    model = HSTURecommender(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"],
+                            num_heads=sizes["num_heads"], attention_dim=sizes["attention_dim"],
+                            hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"], dropout=0.0,
+                            num_items=num_items, num_users=1000, num_actions=5).to(device)
+    model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
+    model.dense_grads = MegatronDenseGrads(model.objectives)
+    model.shuffler = BalancedShuffler(32, enabled=False)  # one device: nothing to balance
+    return model
+
+
+def timed(run, steps_batches, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    extra = run(steps_batches)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / len(steps_batches), extra
+
+
+def run_plain(model, optimizer, autocast):
+    def run(batches):
+        for batch in batches:
+            plain_step(model, optimizer, batch, autocast=autocast)
+    return run
+
+
+def run_pipeline(model, optimizer, autocast, device):
+    pipeline = TrainPipelineSparseDist(PipelineModel(model, autocast), FinalizingOptimizer(optimizer, model.dense_grads),
+                                       device)
+
+    def run(batches):
+        iterator = iter([PipelineBatch.of(b) for b in batches])
+        while True:
+            try:
+                pipeline.progress(iterator)
+            except StopIteration:
+                return
+    return run
+
+
+def run_engine(model, optimizer, autocast, device, preset):
+    losses = []
+    engine = Engine(get_plan(preset), engine_bodies(model, optimizer, losses, autocast=autocast),
+                    device=device if device.type == "cuda" else None, step_timeout=600).start()
+
+    def run(batches):
+        records = engine.run(batches)
+        losses.clear()
+        return records
+    return run, engine
+
+
+def kernel_ms_per_step(run, batches, device):
+    if device.type != "cuda":
+        return None
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run(batches)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / len(batches)
+
+
+def measure(name, run, batches, warmup, repeats, device):
+    run(batches[:warmup])
+    times, records = [], None
+    for _ in range(repeats):
+        ms, extra = timed(run, batches[warmup:], device)
+        times.append(ms)
+        records = extra if isinstance(extra, list) else records
+    return {"mode": name, "ms": statistics.median(times), "spread": max(times) - min(times),
+            "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records}
+
+
+def ratio(result) -> float:
+    return result["ms"] / result["kernel_ms"]
+
+
+def thread_host_ms(records, steps):
+    per_thread = defaultdict(float)
+    for r in records or []:
+        per_thread[r.thread] += r.duration * 1e3
+    return " ".join(f"{t}={v / steps:.2f}" for t, v in per_thread.items())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--presets", nargs="+", default=list(PRESET_NAMES))
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    autocast = "cuda" if device.type == "cuda" else None
+    num_items = 1000 if args.small else 1_000_000
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores; {args.steps} steps after "
+          f"{args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}")
+    for workload in args.workloads:
+        sizes = SMALL if args.small else WORKLOADS[workload]
+        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, 16)
+        tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
+        print(f"\n## {workload}: {sizes}, mean {tokens:.0f} events per batch")
+        model = build_model(sizes, device, num_items)
+        optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+        results = [measure("plain loop", run_plain(model, optimizer, autocast), batches, args.warmup, args.repeats, device)]
+        for preset in args.presets:
+            run, engine = run_engine(model, optimizer, autocast, device, preset)
+            try:
+                results.append(measure(preset, run, batches, args.warmup, args.repeats, device))
+            finally:
+                engine.close()
+        # last: TorchRec's pipeline rewrites the sharded module in place when it starts
+        results.append(measure("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device), batches,
+                               args.warmup, args.repeats, device))
+        print(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9} {'kernel ms':>9} {'step/kernel':>11}  host ms/step per engine thread")
+        for r in results:
+            kernel = r["kernel_ms"]
+            print(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f} "
+                  f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11}  "
+                  f"{thread_host_ms(r['records'], args.steps)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
