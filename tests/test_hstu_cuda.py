@@ -58,8 +58,7 @@ def train(preset, model_cls=HSTURecommender, seed=0):
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8))
     dense = {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}
-    sparse = {k: v.local_shards()[0].tensor.detach().cpu()
-              for k, v in model.embeddings.model_parallel.state_dict().items()}
+    sparse = {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()}
     return dense, sparse
 
 

@@ -25,8 +25,7 @@ STEPS = 6
 
 def weights(model: HSTURecommender):
     dense = {k: v.detach().clone() for k, v in model.objectives.state_dict().items()}
-    sparse = {k: v.local_shards()[0].tensor.detach().clone()
-              for k, v in model.embeddings.model_parallel.state_dict().items()}
+    sparse = {k: v.detach().clone() for k, v in model.embeddings.local_weights().items()}
     return dense, sparse
 
 
@@ -34,8 +33,8 @@ def restore(model: HSTURecommender, saved) -> None:
     dense, sparse = saved
     model.objectives.load_state_dict(dense)
     with torch.no_grad():
-        for k, v in model.embeddings.model_parallel.state_dict().items():
-            v.local_shards()[0].tensor.copy_(sparse[k])
+        for k, v in model.embeddings.local_weights().items():
+            v.copy_(sparse[k])
 
 
 def _compare(rank, world):

@@ -3,7 +3,6 @@ equal batch sizes, and a lower max/mean cost on zipf data. And the jagged select
 
 import random
 
-import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from ..plan import PlanTask
+from ._engine import observe_engine
 
 RANGE_PREFIX = "[engine] "
 
@@ -43,12 +44,9 @@ class CollectiveInventoryCallback(Callback):
         self._seen = 0
         self._profiler = None
         self._ranges = threading.local()
-        self._threads: dict[int, str] = {}
 
     def setup(self, trainer, pl_module, stage):
-        observers = getattr(trainer.strategy, "engine_observers", None)
-        if observers is not None and self not in observers:
-            observers.append(self)
+        observe_engine(trainer, self)
 
     # ----- around each task of the chosen step, on its thread ---------------------------------------
 

@@ -5,6 +5,7 @@ import nvtx
 from lightning.pytorch import Callback
 
 from ..plan import PlanTask
+from ._engine import observe_engine
 
 DOMAIN = "lightning-hstu"
 THREAD_COLORS = ("blue", "green", "orange", "purple", "red", "cyan", "yellow", "magenta", "brown", "olive")
@@ -20,11 +21,9 @@ class NVTXCallback(Callback):
         self._colors: dict[str, str] = {}
 
     def setup(self, trainer, pl_module, stage):
-        strategy = trainer.strategy
-        if hasattr(strategy, "engine_observers") and self not in strategy.engine_observers:
-            threads = list(strategy.plan.threads)
+        if observe_engine(trainer, self):
+            threads = list(trainer.strategy.plan.threads)
             self._colors = {t: THREAD_COLORS[i % len(THREAD_COLORS)] for i, t in enumerate(threads)}
-            strategy.engine_observers.append(self)
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
         nvtx.push_range(message=f"{task.name}@b{batch} la{task.lookahead}", color=self._colors.get(thread, "blue"),

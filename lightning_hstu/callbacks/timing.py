@@ -2,6 +2,7 @@
 table when fit ends; on a GPU, optionally the device time of each task from CUDA events on its stream."""
 
 import statistics
+from collections import deque
 
 import torch
 from lightning.pytorch import Callback
@@ -9,32 +10,35 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from ..engine import TaskRecord, format_summary, summarize
 from ..plan import PlanTask
+from ._engine import observe_engine
 
 
 class TaskTimingCallback(Callback):
-    """Collects every task record of the fit (the strategy's ``step_records``).
+    """Collects the task records of the fit (the strategy's ``step_records``), the last ``max_records``
+    of them (the table describes those).
 
     ``log_every_n_steps``: log mean host ms and wait ms per task (``timing/<task>/host_ms``) that often;
     0 logs nothing. ``print_table``: print count, skipped, mean / p50 / p99 host ms and mean wait per task
     at the end of fit (rank 0). ``device_time``: on a CUDA device, also time each task's GPU work with
     CUDA events recorded on its stream (the elapsed time between the events around its body: the work
-    it queued, plus whatever its stream still had to finish); read once the fit ends.
+    it queued, plus whatever its stream still had to finish), read once the events have completed, never
+    waiting for them before the fit ends.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, print_table: bool = True, device_time: bool = False):
+    def __init__(self, log_every_n_steps: int = 50, print_table: bool = True, device_time: bool = False,
+                 max_records: int = 200_000):
         self.log_every_n_steps, self.print_table, self.device_time = log_every_n_steps, print_table, device_time
-        self.records: list[TaskRecord] = []
+        self.max_records = max_records
+        self.records: deque[TaskRecord] = deque(maxlen=max_records)
         self._window: list[TaskRecord] = []
-        self._events: list[tuple[str, object, object]] = []
+        self._events: deque[tuple[str, object, object]] = deque()
         self._open: dict[tuple[str, int], object] = {}
-        self.device_ms: dict[str, list[float]] = {}
-        """Task -> device milliseconds of each run (filled at the end of fit when ``device_time``)."""
+        self.device_ms: dict[str, deque[float]] = {}
+        """Task -> device milliseconds of its last runs (``device_time`` on a CUDA device)."""
 
     def setup(self, trainer, pl_module, stage):
-        observers = getattr(trainer.strategy, "engine_observers", None)
-        if self.device_time and trainer.strategy.root_device.type == "cuda" and observers is not None:
-            if self not in observers:
-                observers.append(self)
+        if self.device_time and trainer.strategy.root_device.type == "cuda":
+            observe_engine(trainer, self)
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
         start = torch.cuda.Event(enable_timing=True)
@@ -47,6 +51,7 @@ class TaskTimingCallback(Callback):
         self._events.append((task.name, self._open.pop((task.name, batch)), end))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._read_device_times(wait=False)
         records = list(getattr(trainer.strategy, "step_records", ()))
         self.records.extend(records)
         self._window.extend(records)
@@ -60,13 +65,18 @@ class TaskTimingCallback(Callback):
             self._window = []
 
     def on_fit_end(self, trainer, pl_module):
-        if self._events:
-            torch.cuda.synchronize()
-            for task, start, end in self._events:
-                self.device_ms.setdefault(task, []).append(start.elapsed_time(end))
-            self._events = []
+        self._read_device_times(wait=True)
         if self.print_table and self.records:
             self._print(trainer)
+
+    def _read_device_times(self, wait: bool) -> None:
+        """Turn completed event pairs into milliseconds, oldest first (events complete in order per stream;
+        a pair not done yet stops the scan until the next batch)."""
+        if wait and self._events:
+            torch.cuda.synchronize()
+        while self._events and (wait or self._events[0][2].query()):
+            task, start, end = self._events.popleft()
+            self.device_ms.setdefault(task, deque(maxlen=self.max_records)).append(start.elapsed_time(end))
 
     @rank_zero_only
     def _print(self, trainer) -> None:

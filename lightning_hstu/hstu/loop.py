@@ -37,10 +37,16 @@ class FinalizingOptimizer:
         return self.optimizer.step(closure)
 
 
+def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
+    """Factor for a rank's summed loss so that the data-parallel mean over ranks is the loss of the whole
+    global batch per token (``tokens``: the all-reduced token count)."""
+    return dist.get_world_size() / tokens
+
+
 def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor) -> torch.Tensor:
-    """The rank's loss, scaled so that the data-parallel mean over ranks is the global batch loss."""
+    """The rank's loss, scaled by ``global_token_scale``."""
     retrieval, ranking = objectives(batch, embeddings)
-    return (retrieval + ranking) * dist.get_world_size() / tokens
+    return (retrieval + ranking) * global_token_scale(tokens)
 
 
 def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *, autocast: str | None = None):

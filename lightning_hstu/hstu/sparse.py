@@ -52,6 +52,10 @@ class ShardedEmbeddings(torch.nn.Module):
     def sharded(self) -> Any:
         return self.model_parallel.module
 
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """Each table's shard on this rank (views of the live weights: copy_ into them restores them)."""
+        return {name: weight.local_shards()[0].tensor for name, weight in self.model_parallel.state_dict().items()}
+
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """All phases at once (evaluation, or outside the engine)."""
         return self.model_parallel(features)

@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch
 from ..hstu.dense_grads import MegatronDenseGrads
-from ..hstu.loop import sparse_features
+from ..hstu.loop import global_token_scale, sparse_features
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, to_padded
@@ -134,7 +134,7 @@ class HSTURecommender(pl.LightningModule):
         slots = self.trainer.strategy.batch_slots
         embeddings = slots["embeddings"]
         retrieval, ranking = self.objectives(batch, embeddings)
-        scale = dist.get_world_size() / slots["global_tokens"]  # the DP mean of the ranks = global batch loss
+        scale = global_token_scale(slots["global_tokens"])
         loss = (retrieval + ranking) * scale
         if not self.trainer.strategy.all_ranks(bool(torch.isfinite(loss))):
             # Every rank must still run backward (its all-to-alls and all-reduces are collectives), and no
