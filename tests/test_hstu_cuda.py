@@ -8,6 +8,7 @@ import random
 import time
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 import pytest
 import torch
 
@@ -48,14 +49,26 @@ class DelayedTasks(HSTURecommender):
         super().hstu_compute_output_dist(b)
 
 
-def train(preset, model_cls=HSTURecommender, seed=0):
+class PrefetchCount(Callback):
+    def __init__(self):
+        self.ran = self.skipped = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for r in trainer.strategy.step_records:
+            if r.task == "prefetch_embeddings":
+                self.ran += not r.skipped
+                self.skipped += r.skipped
+
+
+def train(preset, model_cls=HSTURecommender, seed=0, callbacks=(), **model_kwargs):
     pl.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(False)
-    model = model_cls(**MODEL)
+    model = model_cls(**MODEL, **model_kwargs)
     model._rng = random.Random(seed)
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset), accelerator="cuda", devices=1, max_steps=STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=list(callbacks))
     trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8))
     dense = {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}
     sparse = {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()}
@@ -84,3 +97,25 @@ def test_every_preset_trains_the_hstu_stack_like_legacy(preset, legacy):
 def test_random_host_delays_change_nothing(seed, legacy):
     assert_close_weights(train("per_task_d3", DelayedTasks, seed), legacy)
     assert_close_weights(train("full_split_d6", DelayedTasks, seed), legacy)
+
+
+@pytest.mark.parametrize("preset", ["by_stream_d3", "full_split_d6"])
+def test_cached_tables_are_prefetched_and_train_like_uncached_ones(preset, legacy):
+    """A cache of a fifth of each table (rows move between GPU and host memory every step): the prefetch
+    task does its job, one batch or more ahead of the lookup, and the weights equal the uncached run's."""
+    count = PrefetchCount()
+    assert_close_weights(train(preset, callbacks=[count], cache_load_factor=0.2), legacy)
+    plan = HSTUPipelineStrategy(preset).plan
+    assert count.skipped == 0 and count.ran == STEPS + plan.task("prefetch_embeddings").lookahead
+
+
+def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
+    model = HSTURecommender(**MODEL, cache_load_factor=0.2)
+    with pytest.raises(RuntimeError, match="prefetched training batch"):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cuda", devices=1,
+                             max_steps=STEPS, val_check_interval=3, limit_val_batches=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0)
+        trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16,
+                                              negatives=8))

@@ -181,3 +181,12 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
         "backward": ["alltoall"],  # embedding output, backward
         "finalize_model_grads": ["allreduce"],  # megatron-core's gradient bucket
     }
+
+
+def test_an_embedding_cache_on_cpu_is_refused_with_the_reason():
+    class Cached(HSTURecommender):
+        def __init__(self, **kwargs):
+            super().__init__(cache_load_factor=0.2, **kwargs)
+
+    with pytest.raises(ValueError, match=r"cache_load_factor=0.2 on cpu: .*use None on CPU"):
+        fit_hstu(Cached, epochs=1)

@@ -4,6 +4,8 @@ sharded module's own input-dist / compute-and-output-dist API so that each phase
 No FX tracing of the user's model: the module calls these three methods from its task hooks.
 """
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +16,8 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -33,20 +36,27 @@ class ShardedEmbeddings(torch.nn.Module):
 
     def __init__(self, tables: Sequence[EmbeddingConfig], device: torch.device, *,
                  optimizer: type[torch.optim.Optimizer] = torch.optim.SGD, optimizer_kwargs: dict | None = None,
-                 sharding_type: ShardingType = ShardingType.ROW_WISE):
+                 sharding_type: ShardingType = ShardingType.ROW_WISE, cache_load_factor: float | None = None):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShardedEmbeddings needs torch.distributed initialised (the strategy does it)")
+        if cache_load_factor is not None and (device.type != "cuda" or not 0 < cache_load_factor <= 1):
+            raise ValueError(f"cache_load_factor={cache_load_factor!r} on {device}: an embedding cache keeps a "
+                             f"fraction (0, 1] of each table in GPU memory, the rest in host memory (UVM), "
+                             f"with fbgemm-gpu's CUDA kernels; use None on CPU")
         collection = EmbeddingCollection(tables=list(tables), device=torch.device("meta"))
         apply_optimizer_in_backward(optimizer, collection.parameters(), optimizer_kwargs or {"lr": 0.05})
         world = dist.get_world_size()
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=world, compute_device=device.type),
-            constraints={t.name: ParameterConstraints(sharding_types=[sharding_type.value]) for t in tables})
+            constraints={t.name: _constraints(sharding_type, cache_load_factor) for t in tables})
         plan = planner.collective_plan(collection, [EmbeddingCollectionSharder()], dist.GroupMember.WORLD)
         self.model_parallel = DistributedModelParallel(
             collection, device=device, plan=plan, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
             init_data_parallel=False)  # dense gradients are megatron-core's business, not torch DDP's
+        self._register_load_state_dict_pre_hook(_unwrapped_keys_to_wrapped)
+        self._prefetched = 0  # batches prefetched whose lookup has not run yet
+        self._prefetched_lock = threading.Lock()  # prefetch and lookup run on different engine threads
 
     @property
     def sharded(self) -> Any:
@@ -56,8 +66,22 @@ class ShardedEmbeddings(torch.nn.Module):
         """Each table's shard on this rank (views of the live weights: copy_ into them restores them)."""
         return {name: weight.local_shards()[0].tensor for name, weight in self.model_parallel.state_dict().items()}
 
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        # DistributedModelParallel.state_dict prefixes every key of the destination it is given, so below a
+        # parent module it would rename the parent's other entries too: fill a dict of its own, then copy.
+        destination = OrderedDict() if destination is None else destination
+        for key, value in self.model_parallel.state_dict(keep_vars=keep_vars).items():
+            destination[f"{prefix}model_parallel.{key}"] = value
+        return destination
+
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """All phases at once (evaluation, or outside the engine)."""
+        if self._prefetched:
+            # fbgemm's lookup takes the oldest prefetched cache locations, whichever batch it looks up
+            raise RuntimeError(f"an embedding lookup outside the engine while {self._prefetched} prefetched "
+                               f"training batch(es) wait for theirs: the embedding cache would give it their "
+                               f"rows. With cache_load_factor set, validate at the end of an epoch "
+                               f"(val_check_interval=1.0), or use cache_load_factor=None")
         return self.model_parallel(features)
 
     def start_input_dist(self, features: KeyedJaggedTensor) -> InputDist:
@@ -68,5 +92,40 @@ class ShardedEmbeddings(torch.nn.Module):
         # The first wait is the splits all-to-all (it blocks the host), the second the ids all-to-all.
         return InputDist(started.context, started.pending.wait().wait())
 
+    @property
+    def needs_prefetch(self) -> bool:
+        """Whether a table keeps an embedding cache whose rows must be fetched before the lookup."""
+        return any(getattr(lookup, "_need_prefetch", False) for lookup in self.sharded._lookups)
+
+    def prefetch(self, waited: InputDist, forward_stream: torch.cuda.Stream | None) -> None:
+        """Load the rows a batch looks up into the cache (from host memory), ahead of its lookup, which runs
+        on ``forward_stream``. Batches must be prefetched in the order they are looked up: fbgemm queues
+        the cache locations of each prefetch and the lookup takes the oldest."""
+        self.sharded.prefetch(waited.pending, forward_stream=forward_stream, ctx=waited.context)
+        with self._prefetched_lock:
+            self._prefetched += 1
+
     def compute_output_dist(self, waited: InputDist) -> dict[str, JaggedTensor]:
+        if self._prefetched:
+            with self._prefetched_lock:
+                self._prefetched -= 1
         return self.sharded.compute_and_output_dist(waited.context, waited.pending).wait()
+
+
+def _constraints(sharding_type: ShardingType, cache_load_factor: float | None) -> ParameterConstraints:
+    if cache_load_factor is None:
+        return ParameterConstraints(sharding_types=[sharding_type.value])
+    # prefetch_pipeline: fbgemm keeps the rows of prefetched batches locked in the cache until their
+    # backward, so the prefetch of the next batch may run before this one's backward.
+    return ParameterConstraints(sharding_types=[sharding_type.value],
+                                compute_kernels=[EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
+                                cache_params=CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True))
+
+
+def _unwrapped_keys_to_wrapped(state_dict, prefix, *args) -> None:
+    """DistributedModelParallel's state_dict leaves its wrapper out of the keys (``model_parallel.embeddings.
+    item.weight``) and only its own ``load_state_dict`` puts it back; loaded through a parent module (as
+    Lightning does), the sharded collection's hooks look for ``model_parallel._dmp_wrapped_module....``."""
+    outer, inner = f"{prefix}model_parallel.", f"{prefix}model_parallel._dmp_wrapped_module."
+    for key in [k for k in state_dict if k.startswith(outer) and not k.startswith(inner)]:
+        state_dict[inner + key[len(outer):]] = state_dict.pop(key)

@@ -54,8 +54,10 @@ class EngineEpochLoop(_TrainingEpochLoop):
                                      keep_states=self._strategy.plan.depth + 2,
                                      all_ranks_have=self._strategy.all_ranks)
         if start and not self._batches.stateful:
+            # on_run_start already counted them (as for a stateful loader); uncount them before skipping,
+            # or the fetcher would count them twice and declare the epoch over early
+            data_fetcher.fetched -= start
             self._batches.skip(start)
-            data_fetcher.fetched -= start  # on_run_start already counted them, as for a stateful loader
         engine = self._start_engine()
         try:
             with contextlib.closing(engine.steps(self._batches, self._before_step, start=start)) as steps:

@@ -37,7 +37,7 @@ class HSTURecommender(pl.LightningModule):
     def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 2, attention_dim: int = 32,
                  hidden_dim: int = 32, max_seq_len: int = 200, dropout: float = 0.1, temperature: float = 0.05,
                  lr: float = 1e-3, sparse_lr: float = 0.05, sparse_optimizer: str = "adagrad",
-                 balance_batches: bool = True, on_nonfinite_loss: str = "raise",
+                 balance_batches: bool = True, on_nonfinite_loss: str = "raise", cache_load_factor: float | None = None,
                  num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None):
         super().__init__()
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
@@ -67,7 +67,8 @@ class HSTURecommender(pl.LightningModule):
         device = self.trainer.strategy.root_device
         self.embeddings = ShardedEmbeddings(
             embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
-            optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr})
+            optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
+            cache_load_factor=hp.cache_load_factor)
         self.dense_grads = MegatronDenseGrads(self.objectives.to(device))
         self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, enabled=hp.balance_batches)
 
@@ -95,8 +96,12 @@ class HSTURecommender(pl.LightningModule):
         b["sparse_input"] = self.embeddings.wait_input_dist(b["input_dist_splits"])
 
     def hstu_prefetch_embeddings(self, b: BatchView):
-        b["cache_prefetched"] = None
-        return SKIPPED  # no table uses an embedding cache
+        if not self.embeddings.needs_prefetch:
+            b["cache_prefetched"] = None
+            return SKIPPED  # no table uses an embedding cache
+        forward_stream = self.trainer.strategy.task_stream("compute_output_dist")  # where the lookup runs
+        self.embeddings.prefetch(b["sparse_input"], forward_stream)
+        b["cache_prefetched"] = True
 
     def hstu_global_tokens_allreduce(self, b: BatchView) -> None:
         tokens = b["shuffled_batch"].sequence_lengths().sum().to(torch.float32)
@@ -121,6 +126,19 @@ class HSTURecommender(pl.LightningModule):
             raise FloatingPointError(f"non-finite loss at batch {b.index} (on at least one rank); the step was "
                                      f"not applied")
         self.skipped_batches.append(b.index)
+
+    # ----- checkpoints ---------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The fused sparse optimizer is not a Lightning optimizer: its state (sharded, like the tables)
+        # travels in an entry of its own, which the strategy writes through torch.distributed.checkpoint.
+        checkpoint["sparse_optimizer"] = self.embeddings.model_parallel.fused_optimizer.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Through the strategy, DCP has already filled the live state in place; this also loads a
+        # checkpoint dict that was read some other way.
+        if "sparse_optimizer" in checkpoint:
+            self.embeddings.model_parallel.fused_optimizer.load_state_dict(checkpoint["sparse_optimizer"])
 
     def on_fit_end(self) -> None:
         before, after, batches = self.balance_totals

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from ..engine import Engine, TaskObserver, TaskRecord
 from ..plan import PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
+from . import sharded_checkpoint
 
 
 def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookahead: Mapping[str, int] | str | None,
@@ -102,6 +103,11 @@ class HSTUPipelineStrategy(DDPStrategy):
         loop = self.lightning_module.trainer.fit_loop.epoch_loop if self.lightning_module else None
         return loop.batch_slots() if hasattr(loop, "batch_slots") else None
 
+    def task_stream(self, task: str) -> Any:
+        """The CUDA stream the engine runs ``task`` on (None on CPU or before the engine started): for a task
+        that hands work to another, as the embedding prefetch tells fbgemm where the lookup will run."""
+        return self._engine.stream(self.plan.task(task).stream) if self._engine is not None else None
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -118,6 +124,28 @@ class HSTUPipelineStrategy(DDPStrategy):
         flag = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._data_group)
         return bool(flag.item())
+
+    # ----- checkpoints: a directory through torch.distributed.checkpoint when tables are sharded ----------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if not sharded_checkpoint.holds_sharded(checkpoint):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
+        sharded_checkpoint.save(checkpoint, filepath, self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        connector = self.lightning_module.trainer._checkpoint_connector
+        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False))
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            sharded_checkpoint.remove(filepath)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

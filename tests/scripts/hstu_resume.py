@@ -1,0 +1,71 @@
+"""Fits the HSTU recommender on two CPU processes (gloo), optionally checkpointing or resuming; run by
+test_hstu_checkpoint.py.
+
+    python hstu_resume.py OUT_DIR MAX_STEPS [--save-every N] [--resume CKPT] [--devices N]
+
+Each rank saves its dense weights, its shards of the embedding tables and of the fused optimizer's state,
+and the losses of the steps it trained to OUT_DIR/rank<R>.pt.
+"""
+
+import argparse
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.data.histories import SyntheticHistories
+from lightning_hstu.models.hstu import HSTURecommender
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def shards(state: dict) -> dict:
+    """Plain tensors of a (possibly sharded) state dict: the local shard of each ShardedTensor."""
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{name}.{k}": v for k, v in shards(value).items()})
+        elif hasattr(value, "local_shards"):
+            out[name] = value.local_shards()[0].tensor.clone()
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.clone()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("max_steps", type=int)
+    parser.add_argument("--save-every", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--devices", type=int, default=2)
+    args = parser.parse_args()
+    pl.seed_everything(0, verbose=False)
+    model = HSTURecommender(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8,
+                            max_seq_len=32, dropout=0.0)
+    recorder = Losses()
+    callbacks = [recorder]
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=args.save_every, save_top_k=-1,
+                                         filename="{step}"))
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=args.devices,
+                         max_steps=args.max_steps, logger=False, enable_checkpointing=bool(args.save_every),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=callbacks)
+    data = SyntheticHistories(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4)
+    trainer.fit(model, data, ckpt_path=args.resume)
+    state = {"model": shards(model.state_dict()),
+             "sparse_optimizer": shards(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])}
+    torch.save({"state": state, "losses": recorder.losses, "global_step": trainer.global_step},
+               f"{args.out_dir}/rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
