@@ -1,6 +1,7 @@
-"""The HSTU step on one device under a plain PyTorch loop, TorchRec's TrainPipelineSparseDist and the
-engine's nine presets: steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel
-time per step and host time per engine thread. Prints a table.
+"""The HSTU step on one device under a plain PyTorch loop, Lightning's own loop, TorchRec's
+TrainPipelineSparseDist, the engine's nine presets and the fastest preset with graph-captured dense
+compute: steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel time per step
+and host time per engine thread. Prints a table.
 
     python benchmarks/hstu_pipelines.py [--workloads light heavy] [--steps 30] [--repeats 3]
 
@@ -16,12 +17,16 @@ import statistics
 import time
 from collections import defaultdict
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_hstu import PRESET_NAMES, Engine, get_plan
+from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, get_plan
+from lightning_hstu.hstu.graphs import GraphedMethod
+from lightning_hstu.plan import GRAPH_TASKS
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
 from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
@@ -100,16 +105,86 @@ def run_pipeline(model, optimizer, autocast, device):
     return run
 
 
-def run_engine(model, optimizer, autocast, device, preset):
+def run_engine(model, optimizer, autocast, device, preset, capture=False):
     losses = []
-    engine = Engine(get_plan(preset), engine_bodies(model, optimizer, losses, autocast=autocast),
-                    device=device if device.type == "cuda" else None, step_timeout=600).start()
+    graphed = GraphedMethod(model.objectives, "losses") if capture else None
+    plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
+    engine = Engine(plan, engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed),
+                    device=device if device.type == "cuda" else None, step_timeout=600,
+                    graphs={"forward": graphed} if capture else None).start()
 
     def run(batches):
         records = engine.run(batches)
         losses.clear()
         return records
     return run, engine
+
+
+class _Batches(pl.LightningDataModule):
+    """The benchmark's batches as a data module (what HSTURecommender.configure_model reads)."""
+
+    def __init__(self, batches, num_items):
+        super().__init__()
+        self.batches, self.num_items, self.num_users, self.num_actions = batches, num_items, 1000, 5
+        self.batch_size = batches[0].size
+
+    def train_dataloader(self):
+        return DataLoader(self.batches, batch_size=None, collate_fn=lambda b: b, pin_memory=False)
+
+
+class _StepTimer(pl.Callback):
+    """Times windows of ``steps`` steps after ``warmup`` (GPU synchronised at the window edges only) and
+    profiles the kernels of the window after the last timed one."""
+
+    def __init__(self, warmup, steps, repeats, device):
+        self.warmup, self.steps, self.repeats, self.device = warmup, steps, repeats, device
+        self.times, self.kernel_ms, self._start, self._profiler = [], None, None, None
+
+    def _edge(self, batch_idx):
+        done = batch_idx - self.warmup
+        return done >= 0 and done % self.steps == 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._edge(batch_idx):
+            _sync(self.device)
+            if self._start is not None:
+                self.times.append((time.perf_counter() - self._start) * 1e3 / self.steps)
+            if len(self.times) == self.repeats and self._profiler is None and self.device.type == "cuda":
+                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                self._profiler.__enter__()
+            self._start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        _sync(self.device)
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            total_us = sum(e.self_device_time_total for e in self._profiler.key_averages())
+            self.kernel_ms = total_us / 1e3 / self.steps
+
+
+def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items):
+    """Lightning's own loop (HSTUPipelineStrategy(engine=False)) over the same batches and model sizes."""
+    torch.manual_seed(0)
+    model = HSTURecommender(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"],
+                            num_heads=sizes["num_heads"], attention_dim=sizes["attention_dim"],
+                            hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"], dropout=0.0,
+                            sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
+    timer = _StepTimer(warmup, steps, repeats, device)
+    total = warmup + steps * (repeats + 1)
+    loop = (batches * (total // len(batches) + 1))[:total]
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(engine=False), accelerator=device.type, devices=1,
+                         precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=total,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(model, _Batches(loop, num_items))
+    times = timer.times[:repeats]
+    return {"mode": "Lightning loop", "ms": statistics.median(times), "spread": max(times) - min(times),
+            "kernel_ms": timer.kernel_ms, "records": None}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def kernel_ms_per_step(run, batches, device):
@@ -153,6 +228,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--presets", nargs="+", default=list(PRESET_NAMES))
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
+    parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -179,6 +255,16 @@ def main():
                 results.append(measure(preset, run, batches, args.warmup, args.repeats, device))
             finally:
                 engine.close()
+        if device.type == "cuda" and args.presets:
+            best = min((r for r in results if r["mode"] in args.presets), key=lambda r: r["ms"])["mode"]
+            run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
+            try:
+                results.append(measure(f"{best} + graphs", run, batches, args.warmup, args.repeats, device))
+                print(f"captured: {engine.captured}")
+            finally:
+                engine.close()
+        if not args.no_lightning:
+            results.append(measure_lightning(sizes, batches, args.warmup, args.steps, args.repeats, device, num_items))
         # last: TorchRec's pipeline rewrites the sharded module in place when it starts
         results.append(measure("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device), batches,
                                args.warmup, args.repeats, device))

@@ -14,6 +14,7 @@ import torch
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
 from lightning_hstu.data.histories import SyntheticHistories
+from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.models.hstu import HSTURecommender
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -60,14 +61,15 @@ class PrefetchCount(Callback):
                 self.skipped += r.skipped
 
 
-def train(preset, model_cls=HSTURecommender, seed=0, callbacks=(), **model_kwargs):
+def train(preset, model_cls=HSTURecommender, seed=0, callbacks=(), capture_graphs=False, engine=True, **model_kwargs):
     pl.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(False)
     model = model_cls(**MODEL, **model_kwargs)
     model._rng = random.Random(seed)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset), accelerator="cuda", devices=1, max_steps=STEPS,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs=capture_graphs, engine=engine),
+                         accelerator="cuda", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0,
                          callbacks=list(callbacks))
     trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8))
     dense = {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}
@@ -91,6 +93,10 @@ def assert_close_weights(got, expected):
 @pytest.mark.parametrize("preset", PRESET_NAMES[1:])
 def test_every_preset_trains_the_hstu_stack_like_legacy(preset, legacy):
     assert_close_weights(train(preset), legacy)
+
+
+def test_lightnings_own_loop_trains_like_legacy(legacy):
+    assert_close_weights(train("legacy_none", engine=False), legacy)  # one rank: the shuffler is the identity
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -119,3 +125,42 @@ def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
                              num_sanity_val_steps=0)
         trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16,
                                               negatives=8))
+
+
+class NeverCaptured(HSTURecommender):
+    """The fixed-length dense path of graph capture, always eager: what the graphs must reproduce."""
+
+    def hstu_graphs(self):
+        if self._graphed is None:
+            self._graphed = GraphedMethod(self.objectives, "losses", warmup=10**9)
+        return {"forward": self._graphed}
+
+
+class GraphUse(Callback):
+    def on_train_end(self, trainer, pl_module):
+        graphed = pl_module.hstu_graphs()["forward"]
+        self.replays, self.eager_calls, self.graphs = graphed.replays, graphed.eager_calls, len(graphed.graphs)
+
+
+@pytest.fixture(scope="module")
+def padded_eager():
+    use = GraphUse()
+    weights = train("default_d6", NeverCaptured, callbacks=[use], capture_graphs=True)
+    assert (use.replays, use.graphs) == (0, 0)
+    return weights
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6", "full_split_d6"])
+def test_the_graph_captured_dense_part_trains_like_its_eager_self(preset, padded_eager):
+    """Captured after 3 eager steps (between two steps, by the engine), replayed for the other 5: the dense
+    forward and backward from the graphs, the embeddings eager and fed the graph's input gradient."""
+    use = GraphUse()
+    assert_close_weights(train(preset, callbacks=[use], capture_graphs=True), padded_eager)
+    assert (use.eager_calls, use.replays, use.graphs) == (3, STEPS - 3, 1)
+
+
+def test_random_host_delays_change_nothing_with_graphs(padded_eager):
+    class DelayedAndGraphed(DelayedTasks):
+        pass
+
+    assert_close_weights(train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True), padded_eager)

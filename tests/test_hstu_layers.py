@@ -55,3 +55,17 @@ def test_the_time_between_events_matters():
     x = torch.randn(1, 6, 16)
     mask = torch.ones(1, 6, dtype=torch.bool)
     assert not torch.allclose(model(x, mask, torch.arange(6)[None]), model(x, mask, torch.arange(6)[None] * 10_000))
+
+
+def test_the_bias_lookup_has_the_gradient_of_plain_indexing():
+    from lightning_hstu.models.hstu_layers import lookup_bias
+
+    table = torch.randn(64, requires_grad=True)
+    index = torch.randint(0, 64, (4, 30, 30))
+    upstream = torch.randn(4, 30, 30)
+    (lookup_bias(table, index) * upstream).sum().backward()
+    ours = table.grad.clone()
+    table.grad = None
+    (table[index] * upstream).sum().backward()
+    torch.testing.assert_close(ours, table.grad)
+    assert torch.equal(lookup_bias(table, index), table[index])

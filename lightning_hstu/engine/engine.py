@@ -163,6 +163,16 @@ class TaskObserver(Protocol):
     def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None: ...
 
 
+class TaskGraphs(Protocol):
+    """CUDA graphs of (part of) a capturable task's body, captured by the engine between steps."""
+
+    def pending(self) -> list: ...
+    """What is ready to be captured (empty: nothing to do)."""
+
+    def capture(self) -> list[str]: ...
+    """Capture it; no engine task runs meanwhile. Returns what was captured, described."""
+
+
 class Engine:
     """Runs ``plan`` with one body per task. Use as a context manager, or ``start()`` and ``close()``.
 
@@ -171,13 +181,25 @@ class Engine:
     its plan stream with per-(task, batch) events; None or a CPU device runs on the host alone.
     ``step_timeout``: seconds after which a step that has not finished is reported and aborted (threaded
     plans only: a legacy plan runs on the caller's thread, which cannot watch itself). ``observers``:
-    ``TaskObserver``s called around every task body, on the thread that runs it.
+    ``TaskObserver``s called around every task body, on the thread that runs it. ``graphs``: task ->
+    ``TaskGraphs`` for tasks the plan marks capturable; between two steps, while no task runs, the engine
+    captures what they have pending, on the task's stream (a capture records the work of every stream of
+    the device, so it must not overlap other tasks).
     """
 
     def __init__(self, plan: Plan, bodies: Mapping[str, Body | None], *, device: Any = None,
                  step_timeout: float | None = None, join_timeout: float = 10.0,
-                 observers: Iterable["TaskObserver"] = ()):
+                 observers: Iterable["TaskObserver"] = (), graphs: Mapping[str, TaskGraphs] | None = None):
         self.plan = plan
+        graphs = dict(graphs or {})
+        capturable = [t.name for t in plan.tasks if t.capturable]
+        refused = [name for name in graphs if name not in capturable]
+        if refused:
+            raise EngineError(f"graphs given for {refused}, which plan '{plan.name}' does not mark capturable; "
+                              f"capturable tasks: {', '.join(capturable) or 'none'}")
+        self._graphs = graphs
+        self.captured: list[tuple[str, str]] = []
+        """(task, what) for every capture so far."""
         self._observers = tuple(observers)
         self.step_timeout = step_timeout
         self._program = schedule(plan, bodies)
@@ -267,6 +289,7 @@ class Engine:
                     return
                 if before_step is not None and not before_step(index):
                     return
+                self._capture_graphs()
                 step = self._new_step(index, start, limit, ring)
                 if step is not None:
                     self._dispatch(step)
@@ -280,6 +303,16 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _capture_graphs(self) -> None:
+        """Between steps: no worker runs a task, so a capture sees no other thread's GPU work."""
+        if not self._streams.enabled:
+            return
+        for name, graphs in self._graphs.items():
+            if graphs.pending():
+                self._streams.enter_thread()
+                with self._streams.use(self.plan.task(name).stream):
+                    self.captured.extend((name, what) for what in graphs.capture())
 
     def slots(self, index: int) -> Mapping[str, Any]:
         """The slots of batch ``index`` of the current run, read-only; call it between steps only."""

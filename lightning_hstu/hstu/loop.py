@@ -14,6 +14,7 @@ from torchrec.streamable import Pipelineable
 
 from .batch import HSTUBatch
 from .dense_grads import MegatronDenseGrads
+from .graphs import GraphedMethod
 
 
 def sparse_features(batch: HSTUBatch, sparse_keys: int = 4) -> KeyedJaggedTensor:
@@ -43,15 +44,22 @@ def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
     return dist.get_world_size() / tokens
 
 
-def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor) -> torch.Tensor:
-    """The rank's loss, scaled by ``global_token_scale``."""
-    retrieval, ranking = objectives(batch, embeddings)
+def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor,
+                      graphed: GraphedMethod | None = None) -> torch.Tensor:
+    """The rank's loss, scaled by ``global_token_scale``; through ``graphed`` (``objectives.losses`` on
+    inputs padded to the model's length) when given."""
+    if graphed is None:
+        retrieval, ranking = objectives(batch, embeddings)
+    else:
+        retrieval, ranking = graphed(*objectives.dense_inputs(batch, embeddings, objectives.max_events))
     return (retrieval + ranking) * global_token_scale(tokens)
 
 
-def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *, autocast: str | None = None):
+def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *, autocast: str | None = None,
+                  graphed: GraphedMethod | None = None):
     """Bodies for every task; ``model`` has the HSTURecommender hooks and parts (embeddings, objectives,
-    dense_grads, shuffler). ``losses`` receives each batch's loss tensor (no host sync)."""
+    dense_grads, shuffler). ``losses`` receives each batch's loss tensor (no host sync). With ``graphed``
+    the forward goes through it (give the engine ``graphs={"forward": graphed}`` to capture it)."""
     def h2d(b):
         b["device_batch"] = b["batch"].to(_device(model), non_blocking=True)
 
@@ -61,7 +69,8 @@ def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *,
 
     def forward(b):
         with _autocast(autocast):  # thread-local: entered on the thread that runs forward
-            b["loss"] = global_token_loss(model.objectives, b["shuffled_batch"], b["embeddings"], b["global_tokens"])
+            b["loss"] = global_token_loss(model.objectives, b["shuffled_batch"], b["embeddings"], b["global_tokens"],
+                                          graphed)
 
     def backward(b):
         b["loss"].backward()

@@ -96,10 +96,11 @@ class EngineEpochLoop(_TrainingEpochLoop):
     def _start_engine(self) -> Engine:
         if self._engine is None:
             device = self.trainer.strategy.root_device
-            self._engine = Engine(self._strategy.plan, self._tasks.bodies(),
-                                  device=device if device.type == "cuda" else None,
+            plan, module = self._strategy.plan, self.trainer.lightning_module
+            graphs = module.hstu_graphs() if any(t.capturable for t in plan.tasks) else None
+            self._engine = Engine(plan, self._tasks.bodies(), device=device if device.type == "cuda" else None,
                                   step_timeout=self._strategy.step_timeout,
-                                  observers=self._strategy.engine_observers).start()
+                                  observers=self._strategy.engine_observers, graphs=graphs).start()
             self._strategy._engine = self._engine
         return self._engine
 

@@ -12,6 +12,7 @@ loss of the whole global batch.
 """
 
 import math
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch
 from ..hstu.dense_grads import MegatronDenseGrads
+from ..hstu.graphs import GraphedMethod
 from ..hstu.loop import global_token_scale, sparse_features
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
@@ -54,6 +56,8 @@ class HSTURecommender(pl.LightningModule):
         self.skipped_batches: list[int] = []
         """Batches whose step was skipped because a rank's loss was not finite."""
         self._nonfinite: set[int] = set()
+        self._graphed: GraphedMethod | None = None
+        self._unpipelined_batch: int | None = None  # set while Lightning's own loop trains a batch
 
     # ----- built once the process group exists ------------------------------------------------------
 
@@ -112,20 +116,44 @@ class HSTURecommender(pl.LightningModule):
         b["embeddings"] = self.embeddings.compute_output_dist(b["sparse_input"])
 
     def hstu_finalize_model_grads(self, b: BatchView) -> None:
-        self.dense_grads.finalize()
-        if b.index in self._nonfinite:
-            for p in self.objectives.parameters():
-                p.grad = None  # no dense step either: the optimizer skips parameters without gradients
+        self._finalize_grads(b.index)
         b["reduced_grads"] = True
 
     def hstu_watchdog(self, b: BatchView) -> None:
-        if b.index not in self._nonfinite:
+        self._watch(b.index)
+
+    def hstu_graphs(self) -> dict[str, GraphedMethod]:
+        """What the engine captures when the plan marks forward capturable: the dense losses, padded to
+        the model's length (static shapes for a fixed batch size)."""
+        if self._graphed is None:
+            self._graphed = GraphedMethod(self.objectives, "losses")
+        return {"forward": self._graphed}
+
+    def _finalize_grads(self, index: int) -> None:
+        self.dense_grads.finalize()
+        if index in self._nonfinite:
+            for p in self.objectives.parameters():
+                p.grad = None  # no dense step either: the optimizer skips parameters without gradients
+
+    def _watch(self, index: int) -> None:
+        if index not in self._nonfinite:
             return
-        self._nonfinite.discard(b.index)
+        self._nonfinite.discard(index)
         if self.hparams.on_nonfinite_loss == "raise":
-            raise FloatingPointError(f"non-finite loss at batch {b.index} (on at least one rank); the step was "
+            raise FloatingPointError(f"non-finite loss at batch {index} (on at least one rank); the step was "
                                      f"not applied")
-        self.skipped_batches.append(b.index)
+        self.skipped_batches.append(index)
+
+    # ----- under Lightning's own loop (HSTUPipelineStrategy(engine=False)): the same step, unpipelined --
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._unpipelined_batch is not None:
+            self._finalize_grads(self._unpipelined_batch)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self._unpipelined_batch is not None:
+            self._unpipelined_batch = None
+            self._watch(batch_idx)
 
     # ----- checkpoints ---------------------------------------------------------------------------------
 
@@ -149,12 +177,24 @@ class HSTURecommender(pl.LightningModule):
     # ----- training and evaluation --------------------------------------------------------------------
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
-        slots = self.trainer.strategy.batch_slots
-        embeddings = slots["embeddings"]
-        retrieval, ranking = self.objectives(batch, embeddings)
-        scale = global_token_scale(slots["global_tokens"])
+        strategy = self.trainer.strategy
+        slots = getattr(strategy, "batch_slots", None)
+        if slots is not None:  # the engine's tasks looked up the embeddings and counted the tokens
+            embeddings, tokens = slots["embeddings"], slots["global_tokens"]
+        else:  # Lightning's own loop: all of it here, in order (no balanced shuffle)
+            self._unpipelined_batch = batch_idx
+            embeddings = self.embeddings(sparse_features(batch))
+            tokens = batch.sequence_lengths().sum().to(torch.float32)
+            dist.all_reduce(tokens)
+        if slots is not None and strategy.plan.task("forward").capturable:
+            inputs = self.objectives.dense_inputs(batch, embeddings, self.objectives.max_events)
+            retrieval, ranking = self.hstu_graphs()["forward"](*inputs)
+        else:
+            retrieval, ranking = self.objectives(batch, embeddings)
+        scale = global_token_scale(tokens)
         loss = (retrieval + ranking) * scale
-        if not self.trainer.strategy.all_ranks(bool(torch.isfinite(loss))):
+        finite = bool(torch.isfinite(loss))
+        if not (strategy.all_ranks(finite) if slots is not None else strategy.reduce_boolean_decision(finite)):
             # Every rank must still run backward (its all-to-alls and all-reduces are collectives), and no
             # non-finite gradient may reach the fused embedding update: backpropagate an exact zero.
             self._nonfinite.add(batch_idx)
@@ -169,8 +209,9 @@ class HSTURecommender(pl.LightningModule):
     def validation_step(self, batch: HSTUBatch, batch_idx: int):
         """Leave-last-out: rank the held-out item among all items by the state after the whole history."""
         embeddings = self.embeddings(sparse_features(batch))
-        hidden, _, mask = self.objectives.encode(batch, embeddings)
-        last = hidden[torch.arange(len(mask)), mask.sum(1)]  # the state after the last event
+        inputs = self.objectives.dense_inputs(batch, embeddings)
+        hidden = self.objectives.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
+        last = hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]  # the state after the last event
         scores = F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
         scores[:, 0] = -math.inf  # id 0 is no item
         target = batch.features["target"].values()
@@ -189,53 +230,81 @@ class HSTURecommender(pl.LightningModule):
         return self.embeddings(features)["item"].values()
 
 
+class DenseInputs(NamedTuple):
+    """The dense part's inputs, padded to a length: what a CUDA graph of the dense part takes (static
+    shapes for a fixed batch size and length). The first four carry gradients back to the embeddings."""
+
+    events: torch.Tensor
+    """[B, L, D] item + action embeddings of each history."""
+    targets: torch.Tensor
+    """[B, L, D] item embeddings (each position's next-item target)."""
+    user: torch.Tensor
+    """[B, D] the user token, before the events."""
+    negatives: torch.Tensor
+    """[B, K, D] each sample's sampled negative items."""
+    times: torch.Tensor
+    """[B, L] event timestamps."""
+    actions: torch.Tensor
+    """[B, L] event actions (the ranking targets)."""
+    mask: torch.Tensor
+    """[B, L] True at real events."""
+
+
 class HSTUObjectives(nn.Module):
     """The dense part: the HSTU stack and the ranking head, from looked-up embeddings to the two losses.
 
     Holds no embedding table, so it is what megatron-core's DDP wraps (and what TorchRec's pipeline tracer
-    treats as a leaf)."""
+    treats as a leaf). ``losses`` works on padded tensors of fixed shapes only (no host sync, no data-
+    dependent shape), so that it can be captured in a CUDA graph; ``dense_inputs`` pads the jagged batch."""
 
     def __init__(self, config: HSTUConfig, num_actions: int, temperature: float):
         super().__init__()
         self.embedding_dim, self.temperature = config.embedding_dim, temperature
+        self.max_events = config.max_seq_len - 1  # the user token takes one position
         self.stack = HSTUStack(config)
         self.ranking_head = nn.Sequential(nn.Linear(2 * config.embedding_dim, config.embedding_dim), nn.SiLU(),
                                           nn.Linear(config.embedding_dim, num_actions))
 
-    def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed retrieval and ranking losses over every position of every history."""
-        lengths = batch.sequence_lengths()
-        hidden, targets, mask = self.encode(batch, embeddings)
-        predicting = hidden[:, :-1][mask]  # the state before each event predicts that event
-        target = targets[mask]
-        # Each position is scored against its own sample's negatives, so the summed loss is additive over
-        # samples (how the ranks split a global batch does not change it); one matmul, then a gather.
-        negatives = F.normalize(embeddings["item_neg"].values(), dim=-1)  # [B * K, D]
-        per_sample = len(negatives) // len(lengths)
-        sample = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-        columns = sample[:, None] * per_sample + torch.arange(per_sample, device=lengths.device)[None]
-        query = F.normalize(predicting, dim=-1)
-        positive = (query * F.normalize(target, dim=-1)).sum(-1, keepdim=True)
-        negative = (query @ negatives.T).gather(1, columns)
-        logits = torch.cat([positive, negative], dim=1) / self.temperature
-        retrieval = F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device),
-                                    reduction="sum")
-        actions = batch.features["action"].values()
-        ranking = F.cross_entropy(self.ranking_head(torch.cat([predicting, target], dim=-1)), actions, reduction="sum")
-        return retrieval, ranking
+    def forward(self, batch: HSTUBatch, embeddings, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed retrieval and ranking losses over every position of every history (padded to ``length``,
+        or to the longest history of the batch)."""
+        return self.losses(*self.dense_inputs(batch, embeddings, length))
 
-    def encode(self, batch: HSTUBatch, embeddings):
-        """Hidden states [B, 1 + L, D] over (user token, events), the item embeddings [B, L, D], the mask [B, L]."""
+    def dense_inputs(self, batch: HSTUBatch, embeddings, length: int | None = None) -> DenseInputs:
         lengths = batch.sequence_lengths()
+        length = int(lengths.max()) if length is None else length
         items = embeddings["item"].values()
-        events, mask = to_padded(items + embeddings["action"].values(), lengths)
-        targets, _ = to_padded(items, lengths)
-        times, _ = to_padded(batch.features["time"].values(), lengths)
-        user = embeddings["user"].values()[:, None]
-        tokens = torch.cat([user, events], dim=1)
+        negatives = embeddings["item_neg"].values()
+        return DenseInputs(events=to_padded(items + embeddings["action"].values(), lengths, length)[0],
+                           targets=to_padded(items, lengths, length)[0],
+                           user=embeddings["user"].values(),
+                           negatives=negatives.view(len(lengths), -1, negatives.shape[-1]),
+                           times=to_padded(batch.features["time"].values(), lengths, length)[0],
+                           actions=to_padded(batch.features["action"].values(), lengths, length)[0],
+                           mask=to_padded(items, lengths, length)[1])
+
+    def losses(self, events, targets, user, negatives, times, actions, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.encode(events, user, times, mask)
+        # The state before each event predicts that event; padded positions are computed and masked out.
+        # Each position is scored against its own sample's negatives, so the summed loss is additive over
+        # samples (how the ranks split a global batch does not change it).
+        predicting = hidden[:, :-1]
+        query = F.normalize(predicting, dim=-1)
+        positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)  # [B, L, 1]
+        negative = query @ F.normalize(negatives, dim=-1).transpose(1, 2)  # [B, L, K]
+        logits = torch.cat([positive, negative], dim=-1) / self.temperature
+        retrieval = torch.logsumexp(logits.float(), dim=-1) - logits[..., 0].float()  # CE with the positive at 0
+        ranking_logits = self.ranking_head(torch.cat([predicting, targets], dim=-1)).float()
+        ranking = F.cross_entropy(ranking_logits.flatten(0, 1), actions.flatten(), reduction="none")
+        weight = mask.to(retrieval.dtype)
+        return (retrieval * weight).sum(), (ranking.view_as(weight) * weight).sum()
+
+    def encode(self, events, user, times, mask) -> torch.Tensor:
+        """Hidden states [B, 1 + L, D] over (user token, events)."""
+        tokens = torch.cat([user[:, None], events], dim=1)
         token_mask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
         token_times = torch.cat([times[:, :1], times], dim=1)
-        return self.stack(tokens, token_mask, token_times), targets, mask
+        return self.stack(tokens, token_mask, token_times)
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:

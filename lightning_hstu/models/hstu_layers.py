@@ -41,13 +41,43 @@ class RelativeBias(nn.Module):
         self.position = nn.Parameter(torch.zeros(config.max_seq_len))
         self.time = nn.Parameter(torch.zeros(config.time_buckets))
 
-    def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
+    def indices(self, timestamps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The relative position [L, L] and time bucket [B, L, L] of every pair: the same for every layer."""
         length = timestamps.shape[1]
         steps = torch.arange(length, device=timestamps.device)
         distance = (steps[:, None] - steps[None, :]).clamp(0, self.max_seq_len - 1)  # causal: i >= j
         seconds = (timestamps[:, :, None] - timestamps[:, None, :]).abs().float()
         bucket = torch.log2(seconds + 1).long().clamp(0, self.time_buckets - 1)
-        return self.position[distance][None] + self.time[bucket]  # [B, L, L]
+        return distance, bucket
+
+    def forward(self, indices: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        distance, bucket = indices
+        return lookup_bias(self.position, distance)[None] + lookup_bias(self.time, bucket)  # [B, L, L]
+
+
+class _LookupBias(torch.autograd.Function):
+    """``table[index]`` for a small table and many indices, whose backward is a weighted histogram.
+
+    Autograd's own backward of the gather (an accumulating index_put) sorts the indices and then walks the
+    duplicates of each entry one after another: with B*L*L indices onto a few dozen time buckets that is
+    tens of thousands of sequential adds per entry, which made this the most expensive kernel of the
+    whole HSTU step on the GPU. ``bincount`` with weights sums them in parallel."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.entries, ctx.dtype = table.shape[0], table.dtype
+        return table[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        table_grad = torch.bincount(index.reshape(-1), weights=grad.reshape(-1).float(), minlength=ctx.entries)
+        return table_grad.to(ctx.dtype), None
+
+
+def lookup_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _LookupBias.apply(table, index)
 
 
 class HSTULayer(nn.Module):
@@ -62,14 +92,15 @@ class HSTULayer(nn.Module):
         self.f2 = nn.Linear(config.num_heads * config.hidden_dim, config.embedding_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, relative: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``relative``: ``RelativeBias.indices`` of the timestamps."""
         batch, length, _ = x.shape
         h, a, d = self.heads, self.attention_dim, self.hidden_dim
         u, v, q, k = F.silu(self.f1(self.norm(x))).split([h * d, h * d, h * a, h * a], dim=-1)
         q = q.view(batch, length, h, a).transpose(1, 2)
         k = k.view(batch, length, h, a).transpose(1, 2)
         v = v.view(batch, length, h, d).transpose(1, 2)
-        scores = q @ k.transpose(-1, -2) + self.bias(timestamps)[:, None]  # [B, h, L, L]
+        scores = q @ k.transpose(-1, -2) + self.bias(relative)[:, None]  # [B, h, L, L]
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         allowed = causal[None, None] & mask[:, None, None, :] & mask[:, None, :, None]
         n = mask.sum(dim=1).clamp(min=1).to(x.dtype)[:, None, None, None]
@@ -85,15 +116,22 @@ class HSTUStack(nn.Module):
         self.norm = nn.LayerNorm(config.embedding_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        relative = self.layers[0].bias.indices(timestamps) if len(self.layers) else None
         for layer in self.layers:
-            x = layer(x, mask, timestamps)
+            x = layer(x, mask, relative)
         return self.norm(x)
 
 
 def to_padded(values: torch.Tensor, lengths: torch.Tensor, max_len: int | None = None):
-    """Jagged rows (values [N, ...], lengths [B]) -> padded [B, L, ...] and its mask [B, L]."""
+    """Jagged rows (values [N, ...], lengths [B]) -> padded [B, L, ...] and its mask [B, L].
+
+    With ``max_len`` given it never waits for the GPU (the rows' positions are computed from the lengths
+    on the device), so it can run ahead of the kernels it launches; rows longer than ``max_len`` are an
+    error of the caller (the data module caps histories at the model's length)."""
     length = int(lengths.max()) if max_len is None else max_len
     mask = torch.arange(length, device=values.device)[None, :] < lengths[:, None]
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths, output_size=len(values))
+    column = torch.arange(len(values), device=values.device) - (torch.cumsum(lengths, 0) - lengths)[row]
     padded = values.new_zeros((len(lengths), length, *values.shape[1:]))
-    padded[mask] = values
+    padded[row, column] = values
     return padded, mask

@@ -4,10 +4,10 @@ from .errors import PlanError
 from .graph import Edge, EdgeKind
 from .plan import LEGACY_THREAD, Plan, PlanTask, build_plan
 from .presets import CASCADES, PRESET_NAMES, PRESETS, THREAD_MAPS, get_plan, make_plan
-from .tasks import HSTU_TASK_NAMES, INPUT_SLOT, Stream, TaskDef, hstu_tasks
+from .tasks import GRAPH_TASKS, HSTU_TASK_NAMES, INPUT_SLOT, Stream, TaskDef, hstu_tasks
 
 __all__ = [
-    "CASCADES", "Edge", "EdgeKind", "HSTU_TASK_NAMES", "INPUT_SLOT", "LEGACY_THREAD", "PRESETS",
+    "CASCADES", "Edge", "EdgeKind", "GRAPH_TASKS", "HSTU_TASK_NAMES", "INPUT_SLOT", "LEGACY_THREAD", "PRESETS",
     "PRESET_NAMES", "Plan", "PlanError", "PlanTask", "Stream", "TaskDef", "THREAD_MAPS", "build_plan",
     "get_plan", "hstu_tasks", "make_plan",
 ]

@@ -25,6 +25,8 @@ class PlanTask:
     lookahead: int
     thread: str
     definition: TaskDef
+    capturable: bool = False
+    """The engine may capture (part of) its body in CUDA graphs, between steps (``Engine(graphs=...)``)."""
 
     @property
     def collective(self) -> bool:
@@ -76,7 +78,8 @@ class Plan:
                  f"{len(self.threads)} thread{'s' if len(self.threads) > 1 else ''}"
                  f"{' (legacy: the caller runs every task)' if self.legacy else ''}"]
         for thread, names in self.threads.items():
-            lines.append(f"  {thread}: " + " ".join(f"{n}@{self.task(n).lookahead}" for n in names))
+            lines.append(f"  {thread}: " + " ".join(f"{n}@{self.task(n).lookahead}{'[graph]' * self.task(n).capturable}"
+                                                    for n in names))
         waits = ", ".join(f"{p} -> {c}" for p, c in self.sorted_wait_edges()) or "none"
         lines.append(f"  waits: {waits}")
         lines.append(f"  tickets: {' < '.join(self.ticket_order) or 'none'}")
@@ -95,6 +98,7 @@ def build_plan(
     ticket_order: Sequence[str] | None = None,
     name: str = "custom",
     cascade: str = "custom",
+    capturable: Sequence[str] = (),
 ) -> Plan:
     """Place ``tasks`` and derive waits and tickets; raise ``PlanError`` for anything that cannot run.
 
@@ -109,7 +113,11 @@ def build_plan(
     threads_of = ({n: LEGACY_THREAD for n in names} if thread_map is None
                   else _resolve_thread_map(names, thread_map))
     _check_lookahead_order(edges, lookaheads)
-    placed = tuple(PlanTask(t.name, t.stream, lookaheads[t.name], threads_of[t.name], t) for t in tasks)
+    unknown = [n for n in capturable if n not in names]
+    if unknown:
+        raise PlanError(f"capturable tasks {unknown} are not tasks of the plan; tasks are: {', '.join(names)}")
+    placed = tuple(PlanTask(t.name, t.stream, lookaheads[t.name], threads_of[t.name], t, t.name in capturable)
+                   for t in tasks)
     threads: dict[str, tuple[str, ...]] = {}
     for t in placed:
         threads[t.thread] = threads.get(t.thread, ()) + (t.name,)

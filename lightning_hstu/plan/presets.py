@@ -50,12 +50,12 @@ PRESETS: Mapping[str, tuple[str, str | None]] = {
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
 
-def get_plan(name: str, *, prefetch: bool = True) -> Plan:
+def get_plan(name: str, *, prefetch: bool = True, capturable: Sequence[str] = ()) -> Plan:
     """The plan of a named preset; an unknown name raises ``PlanError`` listing the valid ones."""
     if name not in PRESETS:
         raise PlanError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
     cascade, thread_map = PRESETS[name]
-    return make_plan(cascade, thread_map, prefetch, name=name)
+    return make_plan(cascade, thread_map, prefetch, name=name, capturable=capturable)
 
 
 def make_plan(
@@ -65,6 +65,7 @@ def make_plan(
     *,
     ticket_order: Sequence[str] | None = None,
     name: str = "custom",
+    capturable: Sequence[str] = (),
 ) -> Plan:
     """A plan of the fourteen HSTU tasks.
 
@@ -73,6 +74,7 @@ def make_plan(
     task -> thread name covering every task exactly once.
     ``prefetch``: order this step's embedding-cache prefetch before its backward (a sync edge).
     ``ticket_order``: the collective tasks in launch order (default: plan order).
+    ``capturable``: tasks whose body the engine may capture in CUDA graphs (``GRAPH_TASKS`` for HSTU).
     """
     if isinstance(cascade, str):
         if cascade not in CASCADES:
@@ -87,4 +89,4 @@ def make_plan(
                             f"{', '.join(THREAD_MAPS)}, None (legacy) or a mapping task -> thread")
         thread_map = THREAD_MAPS[thread_map]
     return build_plan(hstu_tasks(prefetch), lookahead, thread_map, ticket_order=ticket_order,
-                      name=name, cascade=cascade_label)
+                      name=name, cascade=cascade_label, capturable=capturable)

@@ -47,6 +47,11 @@ def _task(name, stream, reads=(), writes=(), **kwargs) -> TaskDef:
     return TaskDef(name, Stream(stream), tuple(reads), tuple(writes), **kwargs)
 
 
+GRAPH_TASKS: tuple[str, ...] = ("forward", "backward")
+"""The HSTU tasks a plan marks capturable for graph capture: the dense forward replays its graph, and the
+backward replays the matching backward graph through autograd."""
+
+
 def hstu_tasks(prefetch: bool = True) -> tuple[TaskDef, ...]:
     """The fourteen HSTU tasks in plan order (the data flow of SPEC §2, top to bottom).
 

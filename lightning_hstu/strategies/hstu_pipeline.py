@@ -12,20 +12,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..engine import Engine, TaskObserver, TaskRecord
-from ..plan import PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
+from ..plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
 from . import sharded_checkpoint
 
 
 def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookahead: Mapping[str, int] | str | None,
-                 prefetch: bool) -> Plan:
+                 prefetch: bool, capture_graphs: bool = False) -> Plan:
     """The preset's plan, with its thread map and/or lookaheads replaced when given (validated the same way)."""
     if preset not in PRESETS:
         raise PlanError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    capturable = GRAPH_TASKS if capture_graphs else ()
     if thread_map is None and lookahead is None:
-        return get_plan(preset, prefetch=prefetch)
+        return get_plan(preset, prefetch=prefetch, capturable=capturable)
     cascade, preset_map = PRESETS[preset]
     return make_plan(lookahead if lookahead is not None else cascade,
-                     thread_map if thread_map is not None else preset_map, prefetch)
+                     thread_map if thread_map is not None else preset_map, prefetch, capturable=capturable)
 
 
 class HSTUPipelineStrategy(DDPStrategy):
@@ -36,6 +37,12 @@ class HSTUPipelineStrategy(DDPStrategy):
         thread_map: replaces the preset's thread map: a thread-map name or ``{task: thread}``.
         lookahead: replaces the preset's cascade: ``"d3"``, ``"d6"`` or ``{task: lookahead}``.
         prefetch: order each step's embedding prefetch before its backward.
+        capture_graphs: mark forward and backward capturable: on a GPU the engine captures the module's
+            graphs (``hstu_graphs()``: for HSTU the dense part, padded to a fixed length) after a few
+            warm-up steps and replays them.
+        engine: False trains with Lightning's own loop instead (everything else unchanged: the process
+            groups, no torch DDP around a module that finalises its own gradients, sharded checkpoints):
+            the unpipelined baseline of the same module, for comparisons.
         step_timeout: seconds after which a step that has not finished is reported (with what every
             engine thread was doing) and training stops; None waits forever.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
@@ -47,9 +54,13 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     def __init__(self, preset: str = "default_d6", *, thread_map: Mapping[str, str] | str | None = None,
                  lookahead: Mapping[str, int] | str | None = None, prefetch: bool = True,
-                 step_timeout: float | None = 600.0, **ddp_kwargs: Any):
+                 capture_graphs: bool = False, step_timeout: float | None = 600.0, engine: bool = True,
+                 **ddp_kwargs: Any):
         super().__init__(**ddp_kwargs)
-        self.plan = resolve_plan(preset, thread_map, lookahead, prefetch)
+        if capture_graphs and not engine:
+            raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
+        self.use_engine = engine
+        self.plan = resolve_plan(preset, thread_map, lookahead, prefetch, capture_graphs)
         if self.plan.task("finish_shuffle").lookahead < 1:
             raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
                             "on_train_batch_start hooks receive the training batch before its step runs")
@@ -72,7 +83,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != TrainerFn.FITTING or not self.use_engine:
             return
         module = trainer.lightning_module
         if not module.automatic_optimization:
@@ -84,6 +95,10 @@ class HSTUPipelineStrategy(DDPStrategy):
             raise MisconfigurationException(
                 "HSTUPipelineStrategy needs exactly one optimizer that evaluates its closure once "
                 f"(got {[type(o).__name__ for o in trainer.optimizers]})")
+        if any(t.capturable for t in self.plan.tasks) and not callable(getattr(module, "hstu_graphs", None)):
+            raise MisconfigurationException(
+                f"capture_graphs=True, but {type(module).__name__} defines no hstu_graphs() saying what to capture "
+                f"(HSTURecommender does); use capture_graphs=False for this module")
         from ..loops import install_engine_loop
 
         install_engine_loop(trainer, self)

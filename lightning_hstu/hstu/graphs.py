@@ -1,0 +1,111 @@
+"""The dense part of a step replayed from CUDA graphs (forward and backward), captured by the engine.
+
+``torch.cuda.make_graphed_callables`` records one graph for the forward and one for the backward of a
+function of tensors with static shapes, and returns an autograd function that replays them: the forward
+task replays the first, ``loss.backward()`` in the backward task replays the second, and autograd carries
+the graph's input gradients on to the (eager) TorchRec embeddings and its parameter gradients to the
+parameters, where megatron-core's hooks collect them outside the graph.
+
+A capture needs every input shape to be fixed and nothing else on the GPU to misbehave while it records,
+so it is done by the engine between two steps (no task running; see ``Engine(graphs=...)``), for each
+input signature seen ``warmup`` times, up to ``max_graphs`` signatures; any other signature runs eagerly,
+said once in the log.
+"""
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Signature = tuple
+"""The inputs' (shape, dtype, requires_grad) and the caller's CUDA autocast dtype (None: off)."""
+
+
+class GraphedMethod:
+    """Calls ``module.<method>(*tensors)`` eagerly until the engine has captured it for the calls'
+    signature, then replays the graphs. The method must be a pure function of its tensor arguments and of
+    the module's parameters (the backward graph computes their gradients), with shapes that depend on the
+    arguments' shapes only."""
+
+    def __init__(self, module: nn.Module, method: str, *, warmup: int = 3, max_graphs: int = 2):
+        if warmup < 1 or max_graphs < 1:
+            raise ValueError(f"warmup ({warmup}) and max_graphs ({max_graphs}) must be at least 1")
+        self.module, self.method, self.warmup, self.max_graphs = module, method, warmup, max_graphs
+        self.name = f"{type(module).__name__}.{method}"
+        self.graphs: dict[Signature, nn.Module] = {}
+        self._calls: Counter = Counter()
+        self._samples: dict[Signature, tuple[torch.Tensor, ...]] = {}
+        self._told: set[Signature] = set()
+        self.replays = self.eager_calls = 0
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        signature = _signature(args)
+        graphed = self.graphs.get(signature)
+        if graphed is not None:
+            self.replays += 1
+            # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
+            return tuple(out.clone() for out in graphed(*args))
+        self.eager_calls += 1
+        if args and args[0].is_cuda and torch.is_grad_enabled():
+            self._calls[signature] += 1
+            if signature not in self._samples and len(self.graphs) < self.max_graphs:
+                self._samples[signature] = tuple(_sample(a) for a in args)
+            if len(self.graphs) >= self.max_graphs and signature not in self._told:
+                self._told.add(signature)
+                log.warning("%s: inputs %s are not captured (%d graphs already): running eagerly", self.name,
+                            _describe(signature), len(self.graphs))
+        return getattr(self.module, self.method)(*args)
+
+    def pending(self) -> list[Signature]:
+        """Signatures seen ``warmup`` times and not captured yet, within the graph budget."""
+        ready = [s for s, n in self._calls.items() if n >= self.warmup and s not in self.graphs]
+        return ready[: max(0, self.max_graphs - len(self.graphs))]
+
+    def capture(self) -> list[str]:
+        """Capture the pending signatures; the caller guarantees that no other thread uses the GPU
+        meanwhile (the engine calls it between steps). Returns what it captured, described."""
+        captured = []
+        for signature in self.pending():
+            call = _Call(self.module, self.method, signature[-1])
+            with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
+                self.graphs[signature] = torch.cuda.make_graphed_callables(call, self._samples.pop(signature),
+                                                                           num_warmup_iters=self.warmup)
+            captured.append(_describe(signature))
+            log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
+        return captured
+
+
+class _Call(nn.Module):
+    """The method as a module (so that its parameters are the module's: make_graphed_callables computes
+    their gradients in the backward graph), under the autocast its eager calls ran with."""
+
+    def __init__(self, module: nn.Module, method: str, autocast_dtype: torch.dtype | None):
+        super().__init__()
+        self.owner, self.method, self.autocast_dtype = module, method, autocast_dtype
+
+    def forward(self, *args):
+        autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # graphs: no cache
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            return getattr(self.owner, self.method)(*args)
+
+
+def _signature(args: tuple[torch.Tensor, ...]) -> Signature:
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return (*((tuple(a.shape), a.dtype, a.requires_grad) for a in args), autocast)
+
+
+def _sample(value: torch.Tensor) -> torch.Tensor:
+    """A static input of the same shape, dtype and values (valid indices included), owned by the graph."""
+    return value.detach().clone().requires_grad_(value.requires_grad)
+
+
+def _describe(signature: Signature) -> str:
+    *inputs, autocast = signature
+    shapes = ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in inputs)
+    return shapes + (f" under {str(autocast).removeprefix('torch.')} autocast" if autocast is not None else "")
