@@ -4,8 +4,10 @@ on the host and on their GPU streams. The delays make the test sensitive: with t
 event waits switched off, the delayed runs differ (checked on the H200, 2026-11-29). Skipped without
 CUDA; run on the GPU machine with TorchRec's GPU build (see the README)."""
 
+import json
 import random
 import time
+from collections import Counter
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -13,6 +15,9 @@ import pytest
 import torch
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
+from lightning_hstu.callbacks import CollectiveInventoryCallback, TraceCallback
+from lightning_hstu.callbacks.collectives import format_inventory
+from lightning_hstu.plan import EdgeKind
 from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.models.hstu import HSTURecommender
@@ -164,3 +169,41 @@ def test_random_host_delays_change_nothing_with_graphs(padded_eager):
         pass
 
     assert_close_weights(train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True), padded_eager)
+
+
+def test_the_trace_has_a_track_per_cuda_stream_and_consumers_start_after_their_producers(tmp_path):
+    path = tmp_path / "trace.json"
+    train("full_split_d6", callbacks=[TraceCallback(str(path), first_batch=2, num_batches=3)])
+    events = json.loads(path.read_text())["traceEvents"]
+    plan = HSTUPipelineStrategy("full_split_d6").plan
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
+    assert tracks == {f"stream {t.stream}" for t in plan.tasks}
+    device = {(e["name"], e["args"]["batch"]): e for e in events if e["ph"] == "X" and e["pid"] == 1}
+    assert Counter(task for task, _ in device) == Counter({t.name: 3 for t in plan.tasks})
+    stream_of = {t.name: str(t.stream) for t in plan.tasks}
+    checked = 0
+    for edge in plan.edges:  # same-batch data across streams: the consumer's GPU work waits for the producer's
+        if edge.kind != EdgeKind.ORD or stream_of[edge.producer] == stream_of[edge.consumer]:
+            continue
+        for (task, batch), consumer in device.items():
+            producer = device.get((edge.producer, batch))
+            if task == edge.consumer and producer is not None:
+                assert consumer["ts"] >= producer["ts"] + producer["dur"] - 1.0, (edge, batch)  # 1 us: event resolution
+                checked += 1
+    assert checked > 0
+
+
+def test_the_collective_inventory_on_nccl(tmp_path, monkeypatch):
+    """One GPU, NCCL (world size 1): the step's collectives attributed to the tasks that launched them."""
+    monkeypatch.chdir(tmp_path)
+    inventory = CollectiveInventoryCallback(batch=4, path=str(tmp_path / "collectives.json"), print_table=False)
+    train("full_split_d6", callbacks=[inventory])
+    plan = HSTUPipelineStrategy("full_split_d6").plan
+    launched = {}
+    for c in inventory.inventory:
+        launched.setdefault(c.task, []).append(c.operation)
+        assert c.thread == plan.task(c.task).thread and c.payload_bytes, c
+    assert launched["global_tokens_allreduce"] == ["allreduce"]
+    assert launched["finalize_model_grads"] == ["allreduce"]
+    assert all(c.process_group for c in inventory.inventory)  # NCCL records its group
+    print(format_inventory(inventory.inventory))  # the stream column: shown by pytest -s

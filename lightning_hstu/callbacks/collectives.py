@@ -1,15 +1,17 @@
 """The seed's collective table, measured: for one chosen step, every collective each task launched, its
-operation, payload bytes and the thread that launched it.
+operation, process group, payload bytes, the CUDA stream its kernel ran on and the thread that launched it.
 
-Built on torch.profiler (all threads): each task runs inside a ``record_function`` range opened on its own
-thread, a launch (``c10d::<op>``) belongs to the engine range that encloses it on the same thread, and its
-payload comes from the backend's event of the same operation (``gloo:<op>`` / ``nccl:<op>``), paired in
-launch order.
+Built on torch.profiler (all threads), read from its exported trace: each task runs inside a
+``record_function`` range opened on its own thread, and a launch (``c10d::<op>``) belongs to the engine
+range that encloses it on the same thread. The launch records its tensors' shapes and types (the
+payload); ``record_param_comms`` inside it names the process group where the backend records it (NCCL;
+gloo does not); the CUDA kernel it launched (NCCL) carries its stream.
 """
 
 import json
 import math
 import re
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +33,11 @@ class Collective:
     thread: str
     operation: str
     payload_bytes: int | None
-    """Bytes of the first tensor the backend worked on (None if its event was not found)."""
+    """Bytes of the launch's first tensor (list) argument (None if the profiler did not record it)."""
+    process_group: str | None = None
+    """``name (description)`` of the process group, where the backend records it (NCCL; not gloo)."""
+    stream: int | None = None
+    """The CUDA stream the collective's kernel ran on (NCCL's own stream of the group); None on CPU."""
 
 
 class CollectiveInventoryCallback(Callback):
@@ -68,8 +74,11 @@ class CollectiveInventoryCallback(Callback):
         if self._seen == self.batch:
             from torch._C._profiler import _ExperimentalConfig
 
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if trainer.strategy.root_device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                activities=activities, record_shapes=True,
                 experimental_config=_ExperimentalConfig(profile_all_threads=True))
             self._profiler.__enter__()
 
@@ -79,7 +88,9 @@ class CollectiveInventoryCallback(Callback):
             return
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        self.inventory = inventory_from(profiler.events())
+        with tempfile.TemporaryDirectory() as tmp:
+            profiler.export_chrome_trace(f"{tmp}/trace.json")
+            self.inventory = inventory_from(json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"])
         self._report()
 
     @rank_zero_only
@@ -90,26 +101,47 @@ class CollectiveInventoryCallback(Callback):
             print(format_inventory(self.inventory))
 
 
-def inventory_from(events) -> list[Collective]:
-    ranges = [e for e in events if e.name.startswith(RANGE_PREFIX)]
-    launches = sorted((e for e in events if e.name.startswith("c10d::")), key=lambda e: e.time_range.start)
-    backend = {}
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        if e.name.startswith(("gloo:", "nccl:")):
-            backend.setdefault(_operation(e.name), []).append(e)
+def inventory_from(trace_events: list[dict]) -> list[Collective]:
+    """The collectives launched inside engine task ranges, from a profiler's exported (Chrome) trace."""
+    slices = [e for e in trace_events if e.get("ph") == "X"]
+    ranges = [e for e in slices if e["name"].startswith(RANGE_PREFIX)]
+    launches = sorted((e for e in slices if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
+    comms = [e for e in slices if e["name"] == "record_param_comms"]
+    backend = {}  # gloo runs a collective on the group's own worker thread: paired by operation, in order
+    for e in sorted(slices, key=lambda e: e["ts"]):
+        if e["name"].startswith(("gloo:", "nccl:")):
+            backend.setdefault(_operation(e["name"]), []).append(e)
+    runtime = [e for e in slices if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})]
+    kernels = {e["args"]["correlation"]: e for e in slices  # (one rank's NCCL may only copy: gpu_memcpy)
+               if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {})}
     inventory = []
     for launch in launches:
-        owner = next((r for r in ranges if r.thread == launch.thread
-                      and r.time_range.start <= launch.time_range.start <= launch.time_range.end <= r.time_range.end),
-                     None)
+        owner = next((r for r in ranges if r["tid"] == launch["tid"] and _within(launch, r)), None)
         if owner is None:
             continue  # not launched by an engine task (Lightning's own collectives between steps)
-        task_batch, thread = owner.name[len(RANGE_PREFIX):].split("|")
+        task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")
         task, batch = task_batch.split("@")
-        operation = _operation(launch.name)
+        inside = lambda events: [e for e in events if e["tid"] == launch["tid"] and _within(e, launch)]  # noqa: E731
+        group = next((_group(e["args"]) for e in inside(comms)), None)
+        streams = [kernels[e["args"]["correlation"]]["args"].get("stream") for e in inside(runtime)
+                   if e["args"]["correlation"] in kernels]
+        operation = _operation(launch["name"])
         done = backend.get(operation, [])
-        inventory.append(Collective(task, int(batch), thread, operation, _bytes(done.pop(0)) if done else None))
+        inventory.append(Collective(task, int(batch), thread, operation, _bytes(done.pop(0)["args"]) if done else None,
+                                    group, streams[0] if streams else None))
     return inventory
+
+
+def _within(inner: dict, outer: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner.get("dur", 0) <= outer["ts"] + outer.get("dur", 0)
+
+
+def _group(args: dict) -> str | None:
+    name = args.get("Process Group Name")
+    if name is None:
+        return None
+    description = args.get("Process Group Description")
+    return f"{name} ({description})" if description and description != "undefined" else str(name)
 
 
 def _operation(name: str) -> str:
@@ -118,12 +150,12 @@ def _operation(name: str) -> str:
     return re.sub(r"_|base|coalesced", "", op)
 
 
-def _bytes(event) -> int | None:
+def _bytes(args: dict) -> int | None:
     """Bytes of the first input of a backend event (an empty shape is a scalar: one element)."""
-    shapes, dtypes = event.input_shapes, getattr(event, "input_dtypes", None)
-    if not shapes or not dtypes or not dtypes[0]:
+    shapes, types = args.get("Input Dims"), args.get("Input type")
+    if not shapes or not types or not types[0] or not isinstance(shapes[0], list):
         return None
-    dtype = _DTYPES.get(dtypes[0]) or getattr(torch, dtypes[0].replace("c10::", "").lower(), None)
+    dtype = _DTYPES.get(types[0]) or getattr(torch, types[0].replace("c10::", "").lower(), None)
     return math.prod(shapes[0]) * dtype.itemsize if isinstance(dtype, torch.dtype) else None
 
 
@@ -133,7 +165,9 @@ _DTYPES = {"float": torch.float32, "double": torch.float64, "long int": torch.in
 
 
 def format_inventory(inventory: list[Collective]) -> str:
-    header = f"{'task':<24} {'batch':>5} {'thread':<14} {'collective':<14} {'payload bytes':>13}"
+    header = (f"{'task':<24} {'batch':>5} {'thread':<14} {'collective':<14} {'payload bytes':>13} "
+              f"{'process group':<20} {'stream':>6}")
     rows = [f"{c.task:<24} {c.batch:>5} {c.thread:<14} {c.operation:<14} "
-            f"{'?' if c.payload_bytes is None else c.payload_bytes:>13}" for c in inventory]
+            f"{'?' if c.payload_bytes is None else c.payload_bytes:>13} {c.process_group or '?':<20} "
+            f"{'-' if c.stream is None else c.stream:>6}" for c in inventory]
     return "\n".join(["collectives of the chosen step:", header, "-" * len(header), *rows])

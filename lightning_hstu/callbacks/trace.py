@@ -1,15 +1,32 @@
 """Chrome / Perfetto trace JSON of chosen steps: a track per engine thread, a slice per task run (batch and
-lookahead as args), a flow arrow for every wait that occurred. Opens in ui.perfetto.dev and chrome://tracing."""
+lookahead as args), a flow arrow for every wait that occurred, and on a GPU a track per CUDA stream with
+each task's GPU work measured by CUDA events. Opens in ui.perfetto.dev and chrome://tracing."""
 
 import json
 from pathlib import Path
+from time import perf_counter
+from typing import NamedTuple
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from ..engine import TaskRecord
-from ..plan import Plan
+from ..plan import Plan, PlanTask
+from ._engine import observe_engine
 from .pictures import draw_gantt
+
+
+class DeviceSlice(NamedTuple):
+    """A task's work on its CUDA stream: from when the stream reached the task's first event (the work
+    queued before it done) to when it finished the task's work; ``perf_counter`` seconds, like TaskRecord."""
+
+    task: str
+    batch: int
+    step: int
+    stream: str
+    start: float
+    end: float
 
 
 class _ChosenBatches(Callback):
@@ -28,14 +45,59 @@ class _ChosenBatches(Callback):
 
 
 class TraceCallback(_ChosenBatches):
-    def __init__(self, path: str = "engine_trace.json", first_batch: int = 10, num_batches: int = 3):
+    """Writes the trace of the steps that trained batches ``first_batch`` .. ``+ num_batches - 1``.
+
+    ``stream_tracks``: on a CUDA device, also a track per CUDA stream. Each task's GPU work is bracketed
+    by CUDA events on its stream; to place them on the host's clock the callback synchronises the device
+    once, when the traced steps begin (a trace is a diagnosis, not a production setting)."""
+
+    def __init__(self, path: str = "engine_trace.json", first_batch: int = 10, num_batches: int = 3,
+                 stream_tracks: bool = True):
         super().__init__(first_batch, num_batches)
         self.path = Path(path)
+        self.stream_tracks = stream_tracks
+        self.device_slices: list[DeviceSlice] = []
+        self._anchor = None  # (CUDA event, perf_counter) taken together on an idle device
+        self._events: list[tuple[PlanTask, int, int, object, object]] = []
+        self._open: dict[tuple[str, int], object] = {}
+
+    def setup(self, trainer, pl_module, stage):
+        if self.stream_tracks and trainer.strategy.root_device.type == "cuda":
+            observe_engine(trainer, self)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._seen == self.first and self.stream_tracks and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # idle: the anchor event completes at once
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._anchor = (event, perf_counter())
+
+    def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
+        if self._tracing():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()  # on the task's stream (the engine made it current)
+            self._open[(task.name, batch)] = start
+
+    def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
+        start = self._open.pop((task.name, batch), None)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((task, batch, step, start, end))
+
+    def _tracing(self) -> bool:
+        return self._anchor is not None and self._seen < self.first + self.count
 
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module):
+        if self._events:
+            torch.cuda.synchronize()
+            anchor, at = self._anchor
+            self.device_slices = [DeviceSlice(task.name, batch, step, str(task.stream),
+                                              at + anchor.elapsed_time(start) / 1e3, at + anchor.elapsed_time(end) / 1e3)
+                                  for task, batch, step, start, end in self._events]
         if self.records:
-            write_trace(trainer.strategy.plan, self.records, self.path)
+            write_trace(trainer.strategy.plan, self.records, self.path, self.device_slices)
 
 
 class GanttCallback(_ChosenBatches):
@@ -51,9 +113,9 @@ class GanttCallback(_ChosenBatches):
             draw_gantt(trainer.strategy.plan, self.records, self.path)
 
 
-def write_trace(plan: Plan, records: list[TaskRecord], path: Path) -> dict:
+def write_trace(plan: Plan, records: list[TaskRecord], path: Path, device_slices: list[DeviceSlice] = ()) -> dict:
     threads = list(plan.threads)
-    origin = min(r.start - r.wait for r in records)
+    origin = min([r.start - r.wait for r in records] + [d.start for d in device_slices])
     us = lambda t: round((t - origin) * 1e6, 3)  # noqa: E731
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"lightning-hstu engine ({plan.name})"}}]
     events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": t}} for i, t in enumerate(threads)]
@@ -75,6 +137,15 @@ def write_trace(plan: Plan, records: list[TaskRecord], path: Path) -> dict:
             common = {"pid": 0, "name": f"{producer} -> {r.task}", "cat": "wait", "id": flow}
             events.append({**common, "ph": "s", "tid": threads.index(source.thread), "ts": us(source.end)})
             events.append({**common, "ph": "f", "bp": "e", "tid": threads.index(r.thread), "ts": us(r.start)})
+    if device_slices:
+        streams = sorted({d.stream for d in device_slices})
+        events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "CUDA streams (task events)"}})
+        events += [{"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": f"stream {s}"}}
+                   for i, s in enumerate(streams)]
+        for d in device_slices:
+            events.append({"ph": "X", "pid": 1, "tid": streams.index(d.stream), "name": d.task, "cat": d.stream,
+                           "ts": us(d.start), "dur": max(us(d.end) - us(d.start), 0.001),
+                           "args": {"batch": d.batch, "step": d.step, "stream": d.stream}})
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace))

@@ -56,12 +56,16 @@ class RelativeBias(nn.Module):
 
 
 class _LookupBias(torch.autograd.Function):
-    """``table[index]`` for a small table and many indices, whose backward is a weighted histogram.
+    """``table[index]`` for a small table and many indices, whose backward spreads the adds.
 
     Autograd's own backward of the gather (an accumulating index_put) sorts the indices and then walks the
     duplicates of each entry one after another: with B*L*L indices onto a few dozen time buckets that is
-    tens of thousands of sequential adds per entry, which made this the most expensive kernel of the
-    whole HSTU step on the GPU. ``bincount`` with weights sums them in parallel."""
+    tens of thousands of sequential adds per entry, which made it the most expensive kernel of the whole
+    HSTU step on the GPU. Here consecutive indices add into ``SPREAD`` copies of the table (so that few
+    atomic adds meet on one address), summed at the end. No data-dependent shape and no host sync, so a
+    CUDA graph can capture it (``bincount`` could not: it reads the largest index on the host)."""
+
+    SPREAD = 128
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -72,8 +76,11 @@ class _LookupBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        table_grad = torch.bincount(index.reshape(-1), weights=grad.reshape(-1).float(), minlength=ctx.entries)
-        return table_grad.to(ctx.dtype), None
+        flat = index.reshape(-1)
+        lane = torch.arange(flat.numel(), device=flat.device) % _LookupBias.SPREAD
+        copies = torch.zeros(_LookupBias.SPREAD * ctx.entries, dtype=torch.float32, device=grad.device)
+        copies.index_add_(0, lane * ctx.entries + flat, grad.reshape(-1).float())
+        return copies.view(_LookupBias.SPREAD, ctx.entries).sum(0).to(ctx.dtype), None
 
 
 def lookup_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
