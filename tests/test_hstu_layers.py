@@ -69,3 +69,29 @@ def test_the_bias_lookup_has_the_gradient_of_plain_indexing():
     (table[index] * upstream).sum().backward()
     torch.testing.assert_close(ours, table.grad)
     assert torch.equal(lookup_bias(table, index), table[index])
+
+
+def test_what_graph_capture_records_is_the_method_with_its_parameters_as_arguments():
+    """The function that make_graphed_callables captures (graphs._Call): same losses, and the gradients of
+    its parameter arguments are the gradients of the module's parameters."""
+    from lightning_hstu.hstu.graphs import _Call
+    from lightning_hstu.models.hstu import HSTUObjectives
+
+    torch.manual_seed(0)
+    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05)
+    B, L, D, K = 3, CONFIG.max_seq_len - 1, CONFIG.embedding_dim, 4
+    inputs = (torch.randn(B, L, D, requires_grad=True), torch.randn(B, L, D, requires_grad=True),
+              torch.randn(B, D, requires_grad=True), torch.randn(B, K, D, requires_grad=True),
+              torch.cumsum(torch.randint(0, 3600, (B, L)), 1), torch.randint(0, 5, (B, L)),
+              torch.arange(L)[None] < torch.tensor([[5], [L], [1]]))
+    params = tuple(p.detach().clone().requires_grad_() for p in objectives.parameters())
+    call = _Call(objectives, "losses", None)
+    assert list(call.parameters()) == []
+    got = call(*inputs, *params)
+    expected = objectives.losses(*inputs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    sum(got).backward()
+    sum(expected).backward()
+    for copy, real in zip(params, objectives.parameters()):
+        torch.testing.assert_close(copy.grad, real.grad)

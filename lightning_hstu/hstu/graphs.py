@@ -49,7 +49,7 @@ class GraphedMethod:
         if graphed is not None:
             self.replays += 1
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
-            return tuple(out.clone() for out in graphed(*args))
+            return tuple(out.clone() for out in graphed(*args, *self.module.parameters()))
         self.eager_calls += 1
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
@@ -72,27 +72,47 @@ class GraphedMethod:
         captured = []
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
+            parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self.module.parameters())
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
-                self.graphs[signature] = torch.cuda.make_graphed_callables(call, self._samples.pop(signature),
-                                                                           num_warmup_iters=self.warmup)
+                self.graphs[signature] = torch.cuda.make_graphed_callables(
+                    call, (*self._samples.pop(signature), *parameters), num_warmup_iters=self.warmup)
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
 
 
 class _Call(nn.Module):
-    """The method as a module (so that its parameters are the module's: make_graphed_callables computes
-    their gradients in the backward graph), under the autocast its eager calls ran with."""
+    """``module.<method>(*inputs)`` as a module of no parameters whose arguments are the inputs followed by
+    the module's parameters (``torch.func.functional_call``), under the autocast its eager calls ran with.
+
+    Why the parameters come in as arguments: a data-parallel wrapper (megatron-core's DDP, torch DDP) has
+    already created each parameter's gradient accumulator on the stream it was built on (the legacy
+    default stream), and a backward capture that reached them would make that stream wait on the capture
+    (cudaErrorStreamCaptureImplicit). The graph computes the gradients of its argument copies instead;
+    autograd hands them to the real parameters' accumulators outside the graph, where the wrapper's hooks
+    see them as after any backward."""
 
     def __init__(self, module: nn.Module, method: str, autocast_dtype: torch.dtype | None):
         super().__init__()
-        self.owner, self.method, self.autocast_dtype = module, method, autocast_dtype
+        self._bound = [_Method(module, method)]  # a list: not a submodule, so _Call has no parameters
+        self._names = [f"owner.{name}" for name, _ in module.named_parameters()]
+        self.autocast_dtype = autocast_dtype
 
     def forward(self, *args):
+        inputs, parameters = args[: len(args) - len(self._names)], args[len(args) - len(self._names):]
         autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # graphs: no cache
                     if self.autocast_dtype is not None else contextlib.nullcontext())
         with autocast:
-            return getattr(self.owner, self.method)(*args)
+            return torch.func.functional_call(self._bound[0], dict(zip(self._names, parameters)), inputs)
+
+
+class _Method(nn.Module):
+    def __init__(self, module: nn.Module, method: str):
+        super().__init__()
+        self.owner, self.method = module, method
+
+    def forward(self, *inputs):
+        return getattr(self.owner, self.method)(*inputs)
 
 
 def _signature(args: tuple[torch.Tensor, ...]) -> Signature:
