@@ -33,7 +33,8 @@ def assert_same_training(a, b, rtol=1e-5, atol=1e-6):
 
 @pytest.fixture(scope="module")
 def engine_run():
-    return fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"), model_kwargs=UNSHUFFLED)
+    return fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"),
+                    model_kwargs=UNSHUFFLED)
 
 
 @pytest.mark.usefixtures("no_thread_left")
@@ -69,3 +70,10 @@ def test_graphs_for_a_task_the_plan_does_not_mark_capturable_are_refused():
                                           r"capturable tasks: none"):
         Engine(get_plan("default_d6"), NO_BODIES, graphs=graphs)
     Engine(get_plan("default_d6", capturable=("forward", "backward")), NO_BODIES, graphs=graphs)  # accepted
+
+
+def test_graph_capture_refuses_histories_longer_than_the_model_pads_to():
+    with pytest.raises(ValueError, match=r"pads histories to the model's max_seq_len \(16\), but the data "
+                                         r"module's histories reach max_seq_len=32"):
+        fit_hstu(epochs=1, strategy=HSTUPipelineStrategy("default_d6", capture_graphs=True),
+                 model_kwargs=dict(max_seq_len=16))

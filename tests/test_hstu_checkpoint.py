@@ -52,7 +52,8 @@ def test_one_rank_reads_the_checkpoint_of_two(uninterrupted, tmp_path):
     out, two_ranks = uninterrupted
     (one_rank,) = run(tmp_path / "one", 6, "--resume", str(out / "step=6.ckpt"), devices=1)  # nothing left to train
     assert one_rank["losses"] == []
-    for name in ("embeddings.model_parallel.embeddings.item.weight", "embeddings.model_parallel.embeddings.user.weight"):
+    for table in ("item", "user"):
+        name = f"embeddings.model_parallel.embeddings.{table}.weight"
         whole = torch.cat([rank["state"]["model"][name] for rank in two_ranks])  # row-wise: rank 0 has the first rows
         assert torch.equal(one_rank["state"]["model"][name], whole), name
     assert torch.equal(one_rank["state"]["model"]["objectives.stack.norm.weight"],

@@ -45,7 +45,7 @@ class Losses(Callback):
 def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, model_kwargs=None, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     recorder = Losses()
-    model = model_cls(**SMALL_MODEL, **(model_kwargs or {}))
+    model = model_cls(**{**SMALL_MODEL, **(model_kwargs or {})})
     trainer = pl.Trainer(strategy=strategy or HSTUPipelineStrategy("full_split_d6"), accelerator="cpu", devices=1,
                          max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *callbacks], **trainer_kwargs)

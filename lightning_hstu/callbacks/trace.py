@@ -93,8 +93,8 @@ class TraceCallback(_ChosenBatches):
         if self._events:
             torch.cuda.synchronize()
             anchor, at = self._anchor
-            self.device_slices = [DeviceSlice(task.name, batch, step, str(task.stream),
-                                              at + anchor.elapsed_time(start) / 1e3, at + anchor.elapsed_time(end) / 1e3)
+            clock = lambda event: at + anchor.elapsed_time(event) / 1e3  # noqa: E731  (ms after the anchor)
+            self.device_slices = [DeviceSlice(task.name, batch, step, str(task.stream), clock(start), clock(end))
                                   for task, batch, step, start, end in self._events]
         if self.records:
             write_trace(trainer.strategy.plan, self.records, self.path, self.device_slices)

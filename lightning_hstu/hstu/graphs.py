@@ -15,7 +15,6 @@ said once in the log.
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -29,7 +29,7 @@ from ..hstu.graphs import GraphedMethod
 from ..hstu.loop import global_token_scale, sparse_features
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
-from .hstu_layers import HSTUConfig, HSTUStack, to_padded
+from .hstu_layers import HSTUConfig, HSTUStack, Padding
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 """Optimizers TorchRec fuses into the embedding backward."""
@@ -126,6 +126,11 @@ class HSTURecommender(pl.LightningModule):
         """What the engine captures when the plan marks forward capturable: the dense losses, padded to
         the model's length (static shapes for a fixed batch size)."""
         if self._graphed is None:
+            data_length = getattr(self.trainer.datamodule, "max_seq_len", None) if self._trainer else None
+            if data_length is not None and data_length > self.objectives.max_events:
+                raise ValueError(f"graph capture pads histories to the model's max_seq_len "
+                                 f"({self.objectives.max_events}), but the data module's histories reach "
+                                 f"max_seq_len={data_length}: make them equal")
             self._graphed = GraphedMethod(self.objectives, "losses")
         return {"forward": self._graphed}
 
@@ -272,16 +277,14 @@ class HSTUObjectives(nn.Module):
 
     def dense_inputs(self, batch: HSTUBatch, embeddings, length: int | None = None) -> DenseInputs:
         lengths = batch.sequence_lengths()
-        length = int(lengths.max()) if length is None else length
         items = embeddings["item"].values()
         negatives = embeddings["item_neg"].values()
-        return DenseInputs(events=to_padded(items + embeddings["action"].values(), lengths, length)[0],
-                           targets=to_padded(items, lengths, length)[0],
+        pad = Padding(lengths, len(items), length)
+        return DenseInputs(events=pad(items + embeddings["action"].values()), targets=pad(items),
                            user=embeddings["user"].values(),
                            negatives=negatives.view(len(lengths), -1, negatives.shape[-1]),
-                           times=to_padded(batch.features["time"].values(), lengths, length)[0],
-                           actions=to_padded(batch.features["action"].values(), lengths, length)[0],
-                           mask=to_padded(items, lengths, length)[1])
+                           times=pad(batch.features["time"].values()), actions=pad(batch.features["action"].values()),
+                           mask=pad.mask)
 
     def losses(self, events, targets, user, negatives, times, actions, mask) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.encode(events, user, times, mask)

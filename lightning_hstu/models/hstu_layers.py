@@ -129,16 +129,28 @@ class HSTUStack(nn.Module):
         return self.norm(x)
 
 
-def to_padded(values: torch.Tensor, lengths: torch.Tensor, max_len: int | None = None):
-    """Jagged rows (values [N, ...], lengths [B]) -> padded [B, L, ...] and its mask [B, L].
+class Padding:
+    """Where the jagged rows of a batch (lengths [B], N values in all) go in a padded [B, L, ...] tensor,
+    computed once for every field of the batch.
 
-    With ``max_len`` given it never waits for the GPU (the rows' positions are computed from the lengths
-    on the device), so it can run ahead of the kernels it launches; rows longer than ``max_len`` are an
-    error of the caller (the data module caps histories at the model's length)."""
-    length = int(lengths.max()) if max_len is None else max_len
-    mask = torch.arange(length, device=values.device)[None, :] < lengths[:, None]
-    row = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths, output_size=len(values))
-    column = torch.arange(len(values), device=values.device) - (torch.cumsum(lengths, 0) - lengths)[row]
-    padded = values.new_zeros((len(lengths), length, *values.shape[1:]))
-    padded[row, column] = values
-    return padded, mask
+    With ``length`` given it never waits for the GPU (the positions are computed from the lengths on the
+    device), so it can run ahead of the kernels it launches; rows longer than ``length`` are an error of
+    the caller (the data module caps histories at the model's length)."""
+
+    def __init__(self, lengths: torch.Tensor, values: int, length: int | None = None):
+        self.length = int(lengths.max()) if length is None else length
+        device = lengths.device
+        self.mask = torch.arange(self.length, device=device)[None, :] < lengths[:, None]
+        self.row = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=values)
+        self.column = torch.arange(values, device=device) - (torch.cumsum(lengths, 0) - lengths)[self.row]
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        padded = values.new_zeros((len(self.mask), self.length, *values.shape[1:]))
+        padded[self.row, self.column] = values
+        return padded
+
+
+def to_padded(values: torch.Tensor, lengths: torch.Tensor, max_len: int | None = None):
+    """Jagged rows (values [N, ...], lengths [B]) -> padded [B, L, ...] and its mask [B, L]."""
+    padding = Padding(lengths, len(values), max_len)
+    return padding(values), padding.mask
