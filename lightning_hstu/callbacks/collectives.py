@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -41,12 +42,24 @@ class Collective:
 
 
 class CollectiveInventoryCallback(Callback):
-    """Records the collectives of the step that trains batch ``batch`` (counted across the fit) on every
-    rank; prints rank 0's table and writes ``path`` (JSON) when that batch ends."""
+    """Records the collectives of the step that trains batch ``batch`` (counted across the fit; or of each
+    step of a list of batches) on every rank; prints rank 0's table and writes ``path`` (JSON) when that
+    batch ends.
 
-    def __init__(self, batch: int = 5, path: str | None = "collectives.json", print_table: bool = True):
-        self.batch, self.path, self.print_table = batch, path, print_table
+    ``compare_ranks``: a debug mode that checks what the engine's collective tickets promise, that every
+    rank launches the same collectives in the same order: after each recorded step the ranks exchange
+    their sequences of (task, batch, operation) and, if any differ, every rank raises ``RuntimeError``
+    naming the first difference (payload sizes may differ between ranks: all-to-all splits, all-gather-v).
+    """
+
+    def __init__(self, batch: int | list[int] = 5, path: str | None = "collectives.json", print_table: bool = True,
+                 compare_ranks: bool = False):
+        self.batches = {batch} if isinstance(batch, int) else set(batch)
+        self.path, self.print_table, self.compare_ranks = path, print_table, compare_ranks
         self.inventory: list[Collective] = []
+        """The collectives of the last recorded step, on this rank."""
+        self.compared = 0
+        """Recorded steps whose sequences were compared across ranks (``compare_ranks``)."""
         self._seen = 0
         self._profiler = None
         self._ranges = threading.local()
@@ -71,7 +84,7 @@ class CollectiveInventoryCallback(Callback):
     # ----- the chosen step --------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self._seen == self.batch:
+        if self._seen in self.batches:
             from torch._C._profiler import _ExperimentalConfig
 
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -92,6 +105,22 @@ class CollectiveInventoryCallback(Callback):
             profiler.export_chrome_trace(f"{tmp}/trace.json")
             self.inventory = inventory_from(json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"])
         self._report()
+        if self.compare_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+            self._compare()
+
+    def _compare(self) -> None:
+        """Between steps (no engine task runs): exchange every rank's sequence on the default group."""
+        mine = [(c.task, c.batch, c.operation) for c in self.inventory]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for rank, theirs in enumerate(every):
+            if theirs != every[0]:
+                at = next((i for i, (a, b) in enumerate(zip(every[0], theirs)) if a != b), min(len(every[0]), len(theirs)))
+                first = lambda seq: seq[at] if at < len(seq) else "nothing"  # noqa: E731
+                raise RuntimeError(f"collectives differ between ranks: rank 0 launched {len(every[0])}, rank {rank} "
+                                   f"{len(theirs)}; first difference at position {at}: rank 0 {first(every[0])}, "
+                                   f"rank {rank} {first(theirs)} (task, batch, operation)")
+        self.compared += 1
 
     @rank_zero_only
     def _report(self) -> None:
