@@ -58,3 +58,8 @@ def test_one_rank_reads_the_checkpoint_of_two(uninterrupted, tmp_path):
         assert torch.equal(one_rank["state"]["model"][name], whole), name
     assert torch.equal(one_rank["state"]["model"]["objectives.stack.norm.weight"],
                        two_ranks[0]["state"]["model"]["objectives.stack.norm.weight"])
+
+
+def test_model_checkpoint_removes_the_older_checkpoint_directories(tmp_path):
+    run(tmp_path / "kept", 6, "--save-every", "2", "--keep", "1")
+    assert sorted(p.name for p in (tmp_path / "kept").glob("*.ckpt")) == ["step=6.ckpt"]

@@ -1,7 +1,7 @@
 """Fits the HSTU recommender on two CPU processes (gloo), optionally checkpointing or resuming; run by
 test_hstu_checkpoint.py.
 
-    python hstu_resume.py OUT_DIR MAX_STEPS [--save-every N] [--resume CKPT] [--devices N]
+    python hstu_resume.py OUT_DIR MAX_STEPS [--save-every N] [--keep K] [--resume CKPT] [--devices N]
 
 Each rank saves its dense weights, its shards of the embedding tables and of the fused optimizer's state,
 and the losses of the steps it trained to OUT_DIR/rank<R>.pt.
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("max_steps", type=int)
     parser.add_argument("--save-every", type=int)
+    parser.add_argument("--keep", type=int, default=-1, help="ModelCheckpoint's save_top_k")
     parser.add_argument("--resume")
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
@@ -53,7 +54,8 @@ def main() -> None:
     recorder = Losses()
     callbacks = [recorder]
     if args.save_every:
-        callbacks.append(ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=args.save_every, save_top_k=-1,
+        callbacks.append(ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=args.save_every,
+                                         save_top_k=args.keep,
                                          filename="{step}"))
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=args.devices,
                          max_steps=args.max_steps, logger=False, enable_checkpointing=bool(args.save_every),
