@@ -94,3 +94,22 @@ def test_pictures_are_written(tmp_path, capsys):
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000, path
         assert path.with_suffix(".svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_the_inventory_gives_autograds_backward_collectives_to_the_backward_task():
+    """On a GPU autograd's device thread launches the backward all-to-all while the backward task waits:
+    a launch outside any engine range on its own thread, inside the backward range in time."""
+    from lightning_hstu.callbacks.collectives import AUTOGRAD_THREAD, RANGE_PREFIX, inventory_from
+
+    def event(name, tid, ts, dur, **args):
+        return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    trace = [event(f"{RANGE_PREFIX}backward@7|compute", 1, 100, 50),
+             event(f"{RANGE_PREFIX}start_shuffle@9|io", 2, 90, 80),
+             event("c10d::alltoall_base_", 3, 120, 5),  # autograd's thread, during backward
+             event("nccl:all_to_all", 3, 121, 3, **{"Input Dims": [[64, 8]], "Input type": ["float"]}),
+             event("c10d::allgather_", 2, 95, 4),  # the io thread's own launch
+             event("c10d::allreduce_", 3, 300, 5)]  # after every range: not an engine task's
+    got = [(c.task, c.batch, c.thread, c.operation, c.payload_bytes) for c in inventory_from(trace)]
+    assert got == [("start_shuffle", 9, "io", "allgather", None),
+                   ("backward", 7, AUTOGRAD_THREAD, "alltoall", 64 * 8 * 4)]

@@ -25,6 +25,8 @@ from ..plan import PlanTask
 from ._engine import observe_engine
 
 RANGE_PREFIX = "[engine] "
+AUTOGRAD_THREAD = "autograd"
+"""The thread column of a collective that autograd's own device thread launched during the backward task."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,20 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
     runtime = [e for e in slices if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})]
     kernels = {e["args"]["correlation"]: e for e in slices  # (one rank's NCCL may only copy: gpu_memcpy)
                if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {})}
+    engine_tids = {r["tid"] for r in ranges}
     inventory = []
     for launch in launches:
         owner = next((r for r in ranges if r["tid"] == launch["tid"] and _within(launch, r)), None)
-        if owner is None:
-            continue  # not launched by an engine task (Lightning's own collectives between steps)
-        task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")
+        if owner is not None:
+            task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")
+        else:
+            # On a GPU autograd runs backward on a thread of its own, which launches the backward's
+            # collectives (TorchRec's embedding all-to-all) while the backward task waits for it.
+            owner = next((r for r in ranges if launch["tid"] not in engine_tids and _within(launch, r)
+                          and r["name"][len(RANGE_PREFIX):].startswith("backward@")), None)
+            if owner is None:
+                continue  # not launched by an engine task (Lightning's own collectives between steps)
+            task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")[0], AUTOGRAD_THREAD
         task, batch = task_batch.split("@")
         inside = lambda events: [e for e in events if e["tid"] == launch["tid"] and _within(e, launch)]  # noqa: E731
         group = next((_group(e["args"]) for e in inside(comms)), None)
