@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .plan import PRESET_NAMES, PRESETS, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+from .plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_custom_plan_args(presets)
     presets.add_argument("--verbose", "-v", action="store_true", help="one block per plan, with tickets")
     presets.add_argument("--plot", metavar="DIR", help="also draw each plan's topology into DIR (PNG and SVG)")
+    presets.add_argument("--capture-graphs", action="store_true",
+                         help="mark forward and backward capturable, as HSTUPipelineStrategy(capture_graphs=True)")
     presets.set_defaults(run=_presets)
 
     demo = commands.add_parser("demo", help="run a plan over a toy CPU workload and print per-task timing")
@@ -73,14 +75,14 @@ def _add_custom_plan_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ticket-order", help="collective tasks in launch order, comma-separated")
 
 
-def _custom_plan(args: argparse.Namespace) -> Plan | None:
+def _custom_plan(args: argparse.Namespace, capturable=()) -> Plan | None:
     if args.cascade is None and args.thread_map is None and args.ticket_order is None and not args.no_prefetch:
         return None
     cascade = _json_or_name(args.cascade or "d6", "--cascade")
     thread_map = args.thread_map or "default"
     thread_map = None if thread_map == "none" else _json_or_name(thread_map, "--thread-map")
     tickets = args.ticket_order.split(",") if args.ticket_order else None
-    return make_plan(cascade, thread_map, not args.no_prefetch, ticket_order=tickets)
+    return make_plan(cascade, thread_map, not args.no_prefetch, ticket_order=tickets, capturable=capturable)
 
 
 def _json_or_name(text: str, option: str):
@@ -93,8 +95,9 @@ def _json_or_name(text: str, option: str):
 
 
 def _presets(args: argparse.Namespace) -> int:
-    custom = _custom_plan(args)
-    plans = [custom] if custom is not None else [get_plan(n) for n in (args.names or PRESET_NAMES)]
+    capturable = GRAPH_TASKS if args.capture_graphs else ()
+    custom = _custom_plan(args, capturable)
+    plans = [custom] if custom is not None else [get_plan(n, capturable=capturable) for n in (args.names or PRESET_NAMES)]
     if args.verbose:
         print("\n\n".join(plan.describe() for plan in plans))
     else:

@@ -27,6 +27,14 @@ def test_presets_prints_one_row_per_preset_with_threads_and_waits(capsys):
     assert d3.rstrip().endswith("none")
 
 
+def test_presets_marks_the_capturable_tasks(capsys):
+    code, out, _ = run_cli(capsys, "presets", "-v", "--capture-graphs", "per_task_d3")
+    assert code == 0
+    assert "forward: forward@0[graph]" in out and "backward: backward@0[graph]" in out
+    assert out.count("[graph]") == 2
+    assert "[graph]" not in run_cli(capsys, "presets", "-v", "per_task_d3")[1]
+
+
 def test_presets_shows_a_custom_plan(capsys):
     code, out, _ = run_cli(capsys, "presets", "-v", "--cascade", '{"h2d": 1}', "--thread-map", "per_task")
     assert code == 0
