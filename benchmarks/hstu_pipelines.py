@@ -4,6 +4,12 @@ compute: steady-state ms/step (median and spread of several repeats), samples/s,
 and host time per engine thread. Prints a table.
 
     python benchmarks/hstu_pipelines.py [--workloads light heavy] [--steps 30] [--repeats 3]
+    torchrun --nproc-per-node N benchmarks/hstu_pipelines.py ...     # N ranks (one GPU each, or gloo on CPU)
+
+With several ranks each rank trains its own batches (seeded by rank), the engine's presets balance them
+with the workload-balanced shuffler (the plain loop and TorchRec's pipeline do not shuffle), the time of
+a step is the slowest rank's, and rank 0 prints per-rank and global samples/s and the shuffler's balance.
+Lightning's own loop is left out with several ranks.
 
 Workloads (batch 32, zipf(1.2) history lengths capped at L, a 1M-row item table, bf16 autocast on CUDA):
 light: L=256, width 128, 2 layers, 2 heads x 32; heavy: L=1024, width 512, 8 layers, 4 heads x 128.
@@ -62,7 +68,7 @@ def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
     return batches
 
 
-def build_model(sizes, device, num_items):
+def build_model(sizes, device, num_items, world=1):
     torch.manual_seed(0)
     model = HSTURecommender(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"],
                             num_heads=sizes["num_heads"], attention_dim=sizes["attention_dim"],
@@ -70,18 +76,21 @@ def build_model(sizes, device, num_items):
                             num_items=num_items, num_users=1000, num_actions=5).to(device)
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
-    model.shuffler = BalancedShuffler(32, enabled=False)  # one device: nothing to balance
+    model.shuffler = BalancedShuffler(32, enabled=world > 1)  # one device: nothing to balance
     return model
 
 
 def timed(run, steps_batches, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
+    dist.barrier()  # every rank starts together; the slowest rank's time is the step time
     start = time.perf_counter()
     extra = run(steps_batches)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / len(steps_batches), extra
+    _sync(device)
+    ms = torch.tensor([(time.perf_counter() - start) * 1e3 / len(steps_batches)], dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        ms = ms.to(device)
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms), extra
 
 
 def run_plain(model, optimizer, autocast):
@@ -230,23 +239,26 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
     args = parser.parse_args()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    say = print if rank == 0 else (lambda *a, **k: None)  # rank 0 reports
     autocast = "cuda" if device.type == "cuda" else None
     num_items = 1000 if args.small else 1_000_000
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores; {args.steps} steps after "
-          f"{args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}")
+    say(f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {world} rank(s); {args.steps} steps "
+          f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}")
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
-        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, 16)
+        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, 16, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        print(f"\n## {workload}: {sizes}, mean {tokens:.0f} events per batch")
-        model = build_model(sizes, device, num_items)
+        say(f"\n## {workload}: {sizes}, mean {tokens:.0f} events per batch")
+        model = build_model(sizes, device, num_items, world)
         optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
         results = [measure("plain loop", run_plain(model, optimizer, autocast), batches, args.warmup, args.repeats, device)]
         for preset in args.presets:
@@ -260,20 +272,27 @@ def main():
             run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
             try:
                 results.append(measure(f"{best} + graphs", run, batches, args.warmup, args.repeats, device))
-                print(f"captured: {engine.captured}")
+                say(f"captured: {engine.captured}")
             finally:
                 engine.close()
-        if not args.no_lightning:
+        if not args.no_lightning and world == 1:
             results.append(measure_lightning(sizes, batches, args.warmup, args.steps, args.repeats, device, num_items))
         # last: TorchRec's pipeline rewrites the sharded module in place when it starts
         results.append(measure("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device), batches,
                                args.warmup, args.repeats, device))
-        print(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9} {'kernel ms':>9} {'step/kernel':>11}  host ms/step per engine thread")
+        global_column = f" {'global/s':>9}" if world > 1 else ""
+        say(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
+              f"{'step/kernel':>11}  host ms/step per engine thread (rank 0)")
         for r in results:
             kernel = r["kernel_ms"]
-            print(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f} "
+            global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
+            say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
                   f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11}  "
                   f"{thread_host_ms(r['records'], args.steps)}")
+        before, after, shuffled = model.balance_totals
+        if shuffled and world > 1:
+            say(f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
+                  f"{after / shuffled:.3f}, mean over {shuffled} global batches")
     dist.destroy_process_group()
 
 
