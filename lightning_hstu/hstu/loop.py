@@ -38,20 +38,32 @@ class FinalizingOptimizer:
         return self.optimizer.step(closure)
 
 
+def global_tokens(batch: HSTUBatch) -> torch.Tensor:
+    """The token count of every rank's batch together, all-reduced; stays a tensor (no host sync)."""
+    tokens = batch.sequence_lengths().sum().to(torch.float32)
+    dist.all_reduce(tokens)
+    return tokens
+
+
 def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
     """Factor for a rank's summed loss so that the data-parallel mean over ranks is the loss of the whole
     global batch per token (``tokens``: the all-reduced token count)."""
     return dist.get_world_size() / tokens
 
 
+def dense_losses(objectives: nn.Module, batch: HSTUBatch, embeddings,
+                 graphed: GraphedMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs padded
+    to the model's length) when given."""
+    if graphed is None:
+        return objectives(batch, embeddings)
+    return graphed(*objectives.dense_inputs(batch, embeddings, objectives.max_events))
+
+
 def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor,
                       graphed: GraphedMethod | None = None) -> torch.Tensor:
-    """The rank's loss, scaled by ``global_token_scale``; through ``graphed`` (``objectives.losses`` on
-    inputs padded to the model's length) when given."""
-    if graphed is None:
-        retrieval, ranking = objectives(batch, embeddings)
-    else:
-        retrieval, ranking = graphed(*objectives.dense_inputs(batch, embeddings, objectives.max_events))
+    """The rank's loss, scaled by ``global_token_scale``."""
+    retrieval, ranking = dense_losses(objectives, batch, embeddings, graphed)
     return (retrieval + ranking) * global_token_scale(tokens)
 
 
@@ -95,8 +107,7 @@ def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *,
 def plain_step(model: Any, optimizer: torch.optim.Optimizer, batch: HSTUBatch, *, autocast: str | None = None):
     """One step as a plain PyTorch loop does it, for the same pieces."""
     batch = batch.to(_device(model), non_blocking=True)
-    tokens = batch.sequence_lengths().sum().to(torch.float32)
-    dist.all_reduce(tokens)
+    tokens = global_tokens(batch)
     embeddings = model.embeddings(sparse_features(batch))
     model.dense_grads.zero_grad()
     with _autocast(autocast):
@@ -149,8 +160,7 @@ class _DenseLoss(nn.Module):
         self.objectives, self.autocast = objectives, autocast
 
     def forward(self, batch: HSTUBatch, embeddings):
-        tokens = batch.sequence_lengths().sum().to(torch.float32)
-        dist.all_reduce(tokens)
+        tokens = global_tokens(batch)
         with _autocast(self.autocast):
             return global_token_loss(self.objectives, batch, embeddings, tokens)
 

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torchrec import EmbeddingConfig
@@ -26,7 +25,7 @@ from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedMethod
-from ..hstu.loop import global_token_scale, sparse_features
+from ..hstu.loop import dense_losses, global_token_scale, global_tokens, sparse_features
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
@@ -108,9 +107,7 @@ class HSTURecommender(pl.LightningModule):
         b["cache_prefetched"] = True
 
     def hstu_global_tokens_allreduce(self, b: BatchView) -> None:
-        tokens = b["shuffled_batch"].sequence_lengths().sum().to(torch.float32)
-        dist.all_reduce(tokens)  # stays a tensor: loss normalisation needs no host sync
-        b["global_tokens"] = tokens
+        b["global_tokens"] = global_tokens(b["shuffled_batch"])
 
     def hstu_compute_output_dist(self, b: BatchView) -> None:
         b["embeddings"] = self.embeddings.compute_output_dist(b["sparse_input"])
@@ -189,13 +186,10 @@ class HSTURecommender(pl.LightningModule):
         else:  # Lightning's own loop: all of it here, in order (no balanced shuffle)
             self._unpipelined_batch = batch_idx
             embeddings = self.embeddings(sparse_features(batch))
-            tokens = batch.sequence_lengths().sum().to(torch.float32)
-            dist.all_reduce(tokens)
-        if slots is not None and strategy.plan.task("forward").capturable:
-            inputs = self.objectives.dense_inputs(batch, embeddings, self.objectives.max_events)
-            retrieval, ranking = self.hstu_graphs()["forward"](*inputs)
-        else:
-            retrieval, ranking = self.objectives(batch, embeddings)
+            tokens = global_tokens(batch)
+        capturing = slots is not None and strategy.plan.task("forward").capturable
+        graphed = self.hstu_graphs()["forward"] if capturing else None
+        retrieval, ranking = dense_losses(self.objectives, batch, embeddings, graphed)
         scale = global_token_scale(tokens)
         loss = (retrieval + ranking) * scale
         finite = bool(torch.isfinite(loss))
