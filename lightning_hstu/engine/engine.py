@@ -192,11 +192,10 @@ class Engine:
                  observers: Iterable["TaskObserver"] = (), graphs: Mapping[str, TaskGraphs] | None = None):
         self.plan = plan
         graphs = dict(graphs or {})
-        capturable = [t.name for t in plan.tasks if t.capturable]
-        refused = [name for name in graphs if name not in capturable]
+        refused = [name for name in graphs if name not in plan.capturable]
         if refused:
             raise EngineError(f"graphs given for {refused}, which plan '{plan.name}' does not mark capturable; "
-                              f"capturable tasks: {', '.join(capturable) or 'none'}")
+                              f"capturable tasks: {', '.join(plan.capturable) or 'none'}")
         self._graphs = graphs
         self.captured: list[tuple[str, str]] = []
         """(task, what) for every capture so far."""

@@ -97,7 +97,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if self._engine is None:
             device = self.trainer.strategy.root_device
             plan, module = self._strategy.plan, self.trainer.lightning_module
-            graphs = module.hstu_graphs() if any(t.capturable for t in plan.tasks) else None
+            graphs = module.hstu_graphs() if plan.capturable else None
             self._engine = Engine(plan, self._tasks.bodies(), device=device if device.type == "cuda" else None,
                                   step_timeout=self._strategy.step_timeout,
                                   observers=self._strategy.engine_observers, graphs=graphs).start()

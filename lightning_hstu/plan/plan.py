@@ -61,6 +61,11 @@ class Plan:
     """True when every task runs on the caller's thread (no thread map)."""
 
     @property
+    def capturable(self) -> tuple[str, ...]:
+        """The tasks whose body the engine may capture in CUDA graphs."""
+        return tuple(t.name for t in self.tasks if t.capturable)
+
+    @property
     def depth(self) -> int:
         """Ring size: the number of batches in flight."""
         return max(t.lookahead for t in self.tasks) + 1

@@ -95,7 +95,7 @@ class HSTUPipelineStrategy(DDPStrategy):
             raise MisconfigurationException(
                 "HSTUPipelineStrategy needs exactly one optimizer that evaluates its closure once "
                 f"(got {[type(o).__name__ for o in trainer.optimizers]})")
-        if any(t.capturable for t in self.plan.tasks) and not callable(getattr(module, "hstu_graphs", None)):
+        if self.plan.capturable and not callable(getattr(module, "hstu_graphs", None)):
             raise MisconfigurationException(
                 f"capture_graphs=True, but {type(module).__name__} defines no hstu_graphs() saying what to capture "
                 f"(HSTURecommender does); use capture_graphs=False for this module")
