@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from ..engine import TaskRecord, format_summary, summarize
 from ..plan import PlanTask
-from ._engine import observe_engine
+from ._engine import TaskEvents, observe_engine
 
 
 class TaskTimingCallback(Callback):
@@ -31,8 +31,7 @@ class TaskTimingCallback(Callback):
         self.max_records = max_records
         self.records: deque[TaskRecord] = deque(maxlen=max_records)
         self._window: list[TaskRecord] = []
-        self._events: deque[tuple[str, object, object]] = deque()
-        self._open: dict[tuple[str, int], object] = {}
+        self._events = TaskEvents()
         self.device_ms: dict[str, deque[float]] = {}
         """Task -> device milliseconds of its last runs (``device_time`` on a CUDA device)."""
 
@@ -41,14 +40,10 @@ class TaskTimingCallback(Callback):
             observe_engine(trainer, self)
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()  # on the current stream: the task's own
-        self._open[(task.name, batch)] = start
+        self._events.start(task, batch)
 
     def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._events.append((task.name, self._open.pop((task.name, batch)), end))
+        self._events.end(task, batch, step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._read_device_times(wait=False)
@@ -72,11 +67,13 @@ class TaskTimingCallback(Callback):
     def _read_device_times(self, wait: bool) -> None:
         """Turn completed event pairs into milliseconds, oldest first (events complete in order per stream;
         a pair not done yet stops the scan until the next batch)."""
-        if wait and self._events:
+        done = self._events.done
+        if wait and done:
             torch.cuda.synchronize()
-        while self._events and (wait or self._events[0][2].query()):
-            task, start, end = self._events.popleft()
-            self.device_ms.setdefault(task, deque(maxlen=self.max_records)).append(start.elapsed_time(end))
+        while done and (wait or done[0].end.query()):
+            run = done.popleft()
+            self.device_ms.setdefault(run.task.name, deque(maxlen=self.max_records)).append(
+                run.start.elapsed_time(run.end))
 
     @rank_zero_only
     def _print(self, trainer) -> None:

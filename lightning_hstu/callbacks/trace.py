@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from ..engine import TaskRecord
 from ..plan import Plan, PlanTask
-from ._engine import observe_engine
+from ._engine import TaskEvents, observe_engine
 from .pictures import draw_gantt
 
 
@@ -58,8 +58,7 @@ class TraceCallback(_ChosenBatches):
         self.stream_tracks = stream_tracks
         self.device_slices: list[DeviceSlice] = []
         self._anchor = None  # (CUDA event, perf_counter) taken together on an idle device
-        self._events: list[tuple[PlanTask, int, int, object, object]] = []
-        self._open: dict[tuple[str, int], object] = {}
+        self._events = TaskEvents()
 
     def setup(self, trainer, pl_module, stage):
         if self.stream_tracks and trainer.strategy.root_device.type == "cuda":
@@ -74,28 +73,22 @@ class TraceCallback(_ChosenBatches):
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
         if self._tracing():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()  # on the task's stream (the engine made it current)
-            self._open[(task.name, batch)] = start
+            self._events.start(task, batch)
 
     def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
-        start = self._open.pop((task.name, batch), None)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((task, batch, step, start, end))
+        self._events.end(task, batch, step)
 
     def _tracing(self) -> bool:
         return self._anchor is not None and self._seen < self.first + self.count
 
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module):
-        if self._events:
+        if self._events.done:
             torch.cuda.synchronize()
             anchor, at = self._anchor
             clock = lambda event: at + anchor.elapsed_time(event) / 1e3  # noqa: E731  (ms after the anchor)
-            self.device_slices = [DeviceSlice(task.name, batch, step, str(task.stream), clock(start), clock(end))
-                                  for task, batch, step, start, end in self._events]
+            self.device_slices = [DeviceSlice(r.task.name, r.batch, r.step, str(r.task.stream), clock(r.start),
+                                              clock(r.end)) for r in self._events.done]
         if self.records:
             write_trace(trainer.strategy.plan, self.records, self.path, self.device_slices)
 
