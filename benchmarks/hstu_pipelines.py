@@ -68,12 +68,16 @@ def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
     return batches
 
 
+def model_sizes(sizes) -> dict:
+    """HSTURecommender's arguments for a workload."""
+    return dict(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"], num_heads=sizes["num_heads"],
+                attention_dim=sizes["attention_dim"], hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"],
+                dropout=0.0)
+
+
 def build_model(sizes, device, num_items, world=1):
     torch.manual_seed(0)
-    model = HSTURecommender(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"],
-                            num_heads=sizes["num_heads"], attention_dim=sizes["attention_dim"],
-                            hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"], dropout=0.0,
-                            num_items=num_items, num_users=1000, num_actions=5).to(device)
+    model = HSTURecommender(**model_sizes(sizes), num_items=num_items, num_users=1000, num_actions=5).to(device)
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(32, enabled=world > 1)  # one device: nothing to balance
@@ -167,17 +171,13 @@ class _StepTimer(pl.Callback):
         _sync(self.device)
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
-            total_us = sum(e.self_device_time_total for e in self._profiler.key_averages())
-            self.kernel_ms = total_us / 1e3 / self.steps
+            self.kernel_ms = _kernel_ms(self._profiler, self.steps)
 
 
 def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items):
     """Lightning's own loop (HSTUPipelineStrategy(engine=False)) over the same batches and model sizes."""
     torch.manual_seed(0)
-    model = HSTURecommender(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"],
-                            num_heads=sizes["num_heads"], attention_dim=sizes["attention_dim"],
-                            hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"], dropout=0.0,
-                            sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
+    model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
     timer = _StepTimer(warmup, steps, repeats, device)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
@@ -199,12 +199,15 @@ def _sync(device):
 def kernel_ms_per_step(run, batches, device):
     if device.type != "cuda":
         return None
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(batches)
-        torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1e3 / len(batches)
+        _sync(device)
+    return _kernel_ms(prof, len(batches))
+
+
+def _kernel_ms(profiler, steps) -> float:
+    """GPU kernel milliseconds per step recorded by a CUDA-activity profiler."""
+    return sum(e.self_device_time_total for e in profiler.key_averages()) / 1e3 / steps
 
 
 def measure(name, run, batches, warmup, repeats, device):
