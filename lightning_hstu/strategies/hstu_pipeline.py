@@ -158,11 +158,6 @@ class HSTUPipelineStrategy(DDPStrategy):
         return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False))
 
     @override
-    def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero:
-            sharded_checkpoint.remove(filepath)
-
-    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._close_engine()

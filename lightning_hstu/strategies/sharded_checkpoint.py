@@ -9,7 +9,6 @@ On load DCP reads the shards into the live tensors of the running module, laid o
 shard them, which need not be how the saving ranks did.
 """
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,11 +68,3 @@ def load(path: str | Path, template: Callable[[], dict[str, Any]]) -> dict[str, 
     dcp.load(sharded, checkpoint_id=path)
     checkpoint.update(sharded)
     return checkpoint
-
-
-def remove(path: str | Path) -> None:
-    path = Path(path)
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
