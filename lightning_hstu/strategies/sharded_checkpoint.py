@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
@@ -41,7 +40,8 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def save(checkpoint: dict[str, Any], path: str | Path, is_global_zero: bool) -> None:
-    """Every rank calls this (DCP's save is a collective)."""
+    """Every rank calls this (DCP's save is a collective); Trainer.save_checkpoint puts the barrier after
+    it that makes the checkpoint complete on every rank."""
     path = Path(path)
     sharded = {key: value for key, value in checkpoint.items() if holds_sharded(value)}
     dcp.save(sharded, checkpoint_id=path)
@@ -49,8 +49,6 @@ def save(checkpoint: dict[str, Any], path: str | Path, is_global_zero: bool) -> 
         rest = {key: value for key, value in checkpoint.items() if key not in sharded}
         rest[SHARDED_KEYS] = sorted(sharded)
         torch.save(rest, path / LIGHTNING_FILE)
-    if dist.is_initialized():
-        dist.barrier()  # the checkpoint is complete on every rank when save returns
 
 
 def load(path: str | Path, template: Callable[[], dict[str, Any]]) -> dict[str, Any]:
