@@ -16,21 +16,15 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from conftest import engine_threads
 from ranks import launch_env, run_on_ranks
+from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
-from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.loop import global_token_loss
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables, sparse_features
 
 ROOT = Path(__file__).parent.parent
-SMALL_MODEL = dict(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
-                   dropout=0.0)
-
-
-def small_data(**kwargs):
-    return SyntheticHistories(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4, **kwargs)
 
 
 class Losses(Callback):

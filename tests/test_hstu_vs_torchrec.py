@@ -10,7 +10,7 @@ import torch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from ranks import run_on_ranks
-from test_hstu_model import SMALL_MODEL, small_data
+from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import Engine, get_plan
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads

@@ -9,6 +9,8 @@ steps were compared and its dense weights to OUT_DIR/rank<R>.pt.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -16,8 +18,10 @@ import torch.distributed as dist
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.callbacks import CollectiveInventoryCallback
-from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.models.hstu import HSTURecommender
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from small_hstu import SMALL_MODEL, small_data  # noqa: E402
 
 
 class OneMoreOnRank1(HSTURecommender):
@@ -39,14 +43,13 @@ def main() -> None:
     parser.add_argument("--mismatch", action="store_true")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(
-        embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32, dropout=0.0)
+    model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**SMALL_MODEL)
     check = CollectiveInventoryCallback(batch=[5, args.steps // 2, args.steps - 1], path=None, print_table=False,
                                         compare_ranks=True)
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy(args.preset), accelerator="cpu", devices=2,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[check])
-    trainer.fit(model, SyntheticHistories(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4))
+    trainer.fit(model, small_data())
     torch.save({"global_step": trainer.global_step, "compared": check.compared,
                 "weights": {k: v.detach().clone() for k, v in model.objectives.state_dict().items()}},
                f"{args.out_dir}/rank{trainer.global_rank}.pt")

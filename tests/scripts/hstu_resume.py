@@ -8,14 +8,18 @@ and the losses of the steps it trained to OUT_DIR/rank<R>.pt.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_hstu import HSTUPipelineStrategy
-from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.models.hstu import HSTURecommender
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from small_hstu import SMALL_MODEL, small_data  # noqa: E402
 
 
 class Losses(Callback):
@@ -49,8 +53,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = HSTURecommender(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8,
-                            max_seq_len=32, dropout=0.0)
+    model = HSTURecommender(**SMALL_MODEL)
     recorder = Losses()
     callbacks = [recorder]
     if args.save_every:
@@ -61,7 +64,7 @@ def main() -> None:
                          max_steps=args.max_steps, logger=False, enable_checkpointing=bool(args.save_every),
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=callbacks)
-    data = SyntheticHistories(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4)
+    data = small_data()
     trainer.fit(model, data, ckpt_path=args.resume)
     state = {"model": shards(model.state_dict()),
              "sparse_optimizer": shards(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])}
