@@ -2,11 +2,17 @@
 the dense part of the generative recommender, in plain PyTorch.
 
 Per layer: U, V, Q, K = split(SiLU(f1(Norm(x)))); A = SiLU(Q K^T + rab(position, time)) / n with a causal
-mask, n the sequence's length; y = x + f2(Norm(A V) * U). Sequences arrive padded to the batch's longest
-with a mask; padding never attends nor is attended to.
+mask, n the sequence's length; y = x + f2(Norm(A V) * U).
+
+Two layouts of the same computation. Padded (``HSTUStack.forward``): sequences padded to a length with a
+mask, attention in plain PyTorch over ``[B, heads, L, L]`` scores; the reference, and the CPU path.
+Jagged (``HSTUStack.jagged``): the tokens of every sequence back to back, ``[N, D]``, with offsets; the
+token-wise parts run on the real tokens only and attention is the fused Triton kernel
+(``kernels.hstu_attention``), which never makes an ``L x L`` tensor.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,13 +52,19 @@ class RelativeBias(nn.Module):
         length = timestamps.shape[1]
         steps = torch.arange(length, device=timestamps.device)
         distance = (steps[:, None] - steps[None, :]).clamp(0, self.max_seq_len - 1)  # causal: i >= j
-        seconds = (timestamps[:, :, None] - timestamps[:, None, :]).abs().float()
-        bucket = torch.log2(seconds + 1).long().clamp(0, self.time_buckets - 1)
+        bucket = time_bucket(timestamps[:, :, None] - timestamps[:, None, :], self.time_buckets)
         return distance, bucket
 
     def forward(self, indices: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         distance, bucket = indices
         return lookup_bias(self.position, distance)[None] + lookup_bias(self.time, bucket)  # [B, L, L]
+
+
+def time_bucket(gap: torch.Tensor, buckets: int) -> torch.Tensor:
+    """floor(log2(1 + |gap|)) of a time gap in seconds, capped at ``buckets - 1``. The seconds are taken in
+    float32 and the floor is the float's exponent, which is exact: the fused kernel computes the same
+    bucket bit for bit (a rounded log2 would move gaps next to a power of two between buckets)."""
+    return (torch.frexp(gap.abs().float() + 1).exponent - 1).clamp(max=buckets - 1).long()
 
 
 class _LookupBias(torch.autograd.Function):
@@ -99,33 +111,77 @@ class HSTULayer(nn.Module):
         self.f2 = nn.Linear(config.num_heads * config.hidden_dim, config.embedding_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, relative: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``relative``: ``RelativeBias.indices`` of the timestamps."""
-        batch, length, _ = x.shape
+    def forward(self, x: torch.Tensor, tokens: "PaddedTokens | JaggedTokens") -> torch.Tensor:
+        """``x``: ``[B, L, D]`` with ``PaddedTokens`` or ``[N, D]`` with ``JaggedTokens``."""
         h, a, d = self.heads, self.attention_dim, self.hidden_dim
         u, v, q, k = F.silu(self.f1(self.norm(x))).split([h * d, h * d, h * a, h * a], dim=-1)
-        q = q.view(batch, length, h, a).transpose(1, 2)
-        k = k.view(batch, length, h, a).transpose(1, 2)
-        v = v.view(batch, length, h, d).transpose(1, 2)
-        scores = q @ k.transpose(-1, -2) + self.bias(relative)[:, None]  # [B, h, L, L]
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        y = tokens.attend(q.unflatten(-1, (h, a)), k.unflatten(-1, (h, a)), v.unflatten(-1, (h, d)), self.bias)
+        return x + tokens.keep(self.dropout(self.f2(self.attention_norm(y.flatten(-2)) * u)))
+
+
+class PaddedTokens(NamedTuple):
+    """Sequences padded to ``[B, L]``: the reference attention, in plain PyTorch."""
+
+    mask: torch.Tensor
+    """[B, L] True at real tokens."""
+    relative: tuple[torch.Tensor, torch.Tensor]
+    """``RelativeBias.indices`` of the timestamps (the same for every layer)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: RelativeBias) -> torch.Tensor:
+        """q, k ``[B, L, heads, attention_dim]``, v ``[B, L, heads, hidden_dim]`` -> ``[B, L, heads, hidden_dim]``."""
+        length, mask = q.shape[1], self.mask
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) + bias(self.relative)[:, None]  # [B, h, L, L]
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         allowed = causal[None, None] & mask[:, None, None, :] & mask[:, None, :, None]
-        n = mask.sum(dim=1).clamp(min=1).to(x.dtype)[:, None, None, None]
+        n = mask.sum(dim=1).clamp(min=1).float()[:, None, None, None]
         attention = F.silu(scores) * allowed / n  # pointwise, normalised by the sequence length
-        y = (attention @ v).transpose(1, 2).reshape(batch, length, h * d)
-        return x + self.dropout(self.f2(self.attention_norm(y) * u)) * mask[..., None]
+        return (attention @ v).transpose(1, 2)
+
+    def keep(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.mask[..., None]  # padding stays as it came in
+
+
+class JaggedTokens(NamedTuple):
+    """Sequences back to back: the fused attention kernel."""
+
+    offsets: torch.Tensor
+    """[B + 1] the tokens of sequence b are rows ``offsets[b]:offsets[b + 1]``; rows past ``offsets[-1]``
+    belong to no sequence (a static capacity): attention gives them zero."""
+    timestamps: torch.Tensor
+    """[N] each token's time in seconds."""
+    max_len: int
+    """At least the longest sequence (sizes the kernel's grid)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: RelativeBias) -> torch.Tensor:
+        from ..kernels.hstu_attention import hstu_attention  # Triton: only the jagged layout needs it
+
+        return hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position, bias.time, self.max_len)
+
+    def keep(self, y: torch.Tensor) -> torch.Tensor:
+        return y
 
 
 class HSTUStack(nn.Module):
     def __init__(self, config: HSTUConfig):
         super().__init__()
+        self.max_seq_len = config.max_seq_len
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        """Padded: x ``[B, L, D]``, mask and timestamps ``[B, L]``."""
         relative = self.layers[0].bias.indices(timestamps) if len(self.layers) else None
+        return self._run(x, PaddedTokens(mask, relative))
+
+    def jagged(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        """Jagged: x ``[N, D]``, ``offsets`` ``[B + 1]``, timestamps ``[N]``; sequences of at most
+        ``max_seq_len`` tokens."""
+        return self._run(x, JaggedTokens(offsets, timestamps, self.max_seq_len))
+
+    def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, mask, relative)
+            x = layer(x, tokens)
         return self.norm(x)
 
 

@@ -1,0 +1,173 @@
+"""The fused jagged HSTU attention kernel alone, on one GPU: checked against the padded PyTorch reference,
+then timed forward and forward + backward (CUDA events, median), beside the padded reference's attention.
+
+    python benchmarks/hstu_attention_kernel.py [--shapes heavy seed] [--sweep]
+
+Shapes: batch 32, zipf(1.2)-like lengths (P(length > x) ~ x^-0.2, the benchmark's batches) capped at L,
+4 heads x 128 (attention and hidden width); heavy L=1024, seed L=4096. FLOPs per forward:
+sum_b n_b (n_b + 1) / 2 * heads * (2 attention_dim + 2 hidden_dim) (the causal pairs, two matrix products);
+a backward is counted as 2x the forward (model FLOPs: dq, dk, dv; the kernels' recomputation of the
+scores is not counted) and, beside it, as 2.5x (the convention of published HSTU kernel numbers).
+"""
+
+import argparse
+import statistics
+
+import torch
+import triton
+
+from lightning_hstu.kernels import hstu_attention as kernel
+from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, RelativeBias, to_padded
+
+SHAPES = {"heavy": dict(max_len=1024, heads=4, dim=128), "seed": dict(max_len=4096, heads=4, dim=128),
+          "seed_h8": dict(max_len=4096, heads=8, dim=128)}
+SWEEP = [  # candidate launch settings (each one checked against the reference before it is timed)
+    {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)} for m, n, w, s in
+    [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)]
+] + [
+    {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+    for m, n, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)]
+]
+
+
+def lengths_for(batch, max_len, gen):
+    """floor(U^-5) capped to [2, max_len], U uniform in float64 (the same lengths as the anchors' harness)."""
+    u = torch.rand(batch, generator=gen, dtype=torch.float64).clamp_min(1e-300)
+    return u.pow(-5.0).clamp(max=float(max_len)).floor().long().clamp(2, max_len)
+
+
+def make_inputs(lengths, heads, dim, dtype, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(lengths.sum())
+    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+    gaps = torch.randint(0, 3600, (n,), generator=gen)
+    gaps[::5] = 0  # equal times: the first bucket
+    times = torch.cumsum(gaps, 0).to(device)
+    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device)
+    return q, k, v, offsets, times
+
+
+def bias_tables(max_len, device):
+    bias = RelativeBias(HSTUConfig(max_seq_len=max_len)).to(device)
+    torch.nn.init.normal_(bias.position, std=0.5)
+    torch.nn.init.normal_(bias.time, std=0.5)
+    return bias
+
+
+def flops(lengths, heads, dim):
+    pairs = sum(int(n) * (int(n) + 1) // 2 for n in lengths)
+    return pairs * heads * 4 * dim
+
+
+def padded_attention(q, k, v, lengths, times, bias):
+    qp, mask = to_padded(q, lengths)
+    kp, _ = to_padded(k, lengths)
+    vp, _ = to_padded(v, lengths)
+    tp, _ = to_padded(times, lengths)
+    return PaddedTokens(mask, bias.indices(tp)).attend(qp, kp, vp, bias)[mask]
+
+
+def errors(lengths, heads, dim, dtype, max_len):
+    """Relative errors of the kernel's output and gradients against the fp32 reference on the same inputs."""
+    q, k, v, offsets, times = make_inputs(lengths, heads, dim, dtype, seed=1)
+    bias = bias_tables(max_len, q.device)
+    out = kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len)
+    grad = torch.randn_like(out, dtype=torch.float32)
+    (out.float() * grad).sum().backward()
+    got = [out.float(), *(t.grad.float() for t in (q, k, v)), bias.position.grad, bias.time.grad]
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    bias.zero_grad()
+    ref = padded_attention(*ref_inputs, lengths.to(q.device), times, bias)
+    (ref * grad).sum().backward()
+    expected = [ref, *(t.grad for t in ref_inputs), bias.position.grad, bias.time.grad]
+    return {name: ((a - b).norm() / b.norm()).item() for name, a, b in
+            zip(["out", "dq", "dk", "dv", "dposition", "dtime"], got, expected)}
+
+
+def time_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_kernel(lengths, heads, dim, max_len):
+    q, k, v, offsets, times = make_inputs(lengths, heads, dim, torch.bfloat16)
+    bias = bias_tables(max_len, q.device)
+    grad = torch.randn_like(v)
+
+    def forward():
+        with torch.no_grad():
+            kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len)
+
+    def both():
+        out = kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len)
+        torch.autograd.backward(out, grad)
+
+    fwd = time_ms(forward)
+    total = time_ms(both)
+    return fwd, total
+
+
+def time_padded(lengths, heads, dim, max_len):
+    q, k, v, offsets, times = make_inputs(lengths, heads, dim, torch.bfloat16)
+    bias = bias_tables(max_len, q.device)
+    lengths = lengths.to(q.device)
+
+    def both():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = padded_attention(q, k, v, lengths, times, bias)
+        out.float().sum().backward()
+
+    torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(both, reps=5)
+    return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["heavy", "seed"], choices=list(SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="time the candidate launch settings too")
+    parser.add_argument("--padded", action="store_true", help="time the padded reference (heavy only fits)")
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    check_lengths = torch.tensor([1, 512, 300, 17, 511, 64, 2, 129])
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        err = errors(check_lengths, 4, 128, dtype, 512)
+        print(f"check {str(dtype):15} " + " ".join(f"{k}={v:.1e}" for k, v in err.items()),
+              "OK" if max(err.values()) < tol else "FAILED")
+    default = kernel.kernel_configs
+    for name in args.shapes:
+        shape = SHAPES[name]
+        lengths = lengths_for(32, shape["max_len"], torch.Generator().manual_seed(0))
+        fwd_flops = flops(lengths, shape["heads"], shape["dim"])
+        print(f"\n## {name}: {shape}, {int(lengths.sum())} tokens (median {int(lengths.median())}, "
+              f"{int((lengths == shape['max_len']).sum())} at max_len), {fwd_flops / 1e9:.1f} GFLOP forward")
+        candidates = [{}] + (SWEEP if args.sweep else [])
+        for override in candidates:
+            kernel.kernel_configs = lambda *a, o=override: {**default(*a), **o}
+            try:
+                fwd, total = time_kernel(lengths, shape["heads"], shape["dim"], shape["max_len"])
+            except Exception as error:  # a candidate that does not compile or fit
+                print(f"{str(override) or 'default':80} failed: {type(error).__name__}: {str(error)[:100]}")
+                continue
+            bwd = total - fwd
+            print(f"{str(override) or 'default':80} fwd {fwd:7.3f} ms {fwd_flops / fwd / 1e9:6.1f} TFLOP/s | "
+                  f"bwd {bwd:7.3f} ms {2 * fwd_flops / bwd / 1e9:6.1f} (2x) {2.5 * fwd_flops / bwd / 1e9:6.1f} (2.5x) | "
+                  f"fwd+bwd {total:7.3f} ms {3 * fwd_flops / total / 1e9:6.1f} TFLOP/s")
+        kernel.kernel_configs = default
+        if args.padded and name == "heavy":
+            ms, gib = time_padded(lengths, shape["heads"], shape["dim"], shape["max_len"])
+            print(f"padded reference attention fwd+bwd {ms:.2f} ms, peak {gib:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()

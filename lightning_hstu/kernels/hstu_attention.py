@@ -1,0 +1,380 @@
+"""HSTU attention over jagged sequences, fused in Triton.
+
+For each sequence of ``n`` tokens and each head (query ``i``, key ``j <= i``, both positions inside the
+sequence)::
+
+    s[i, j] = q_i . k_j + position[min(i - j, P - 1)] + time[min(bucket(|t_i - t_j|), T - 1)]
+    out_i   = sum_j SiLU(s[i, j]) / n * v_j
+
+with ``bucket(seconds) = floor(log2(1 + seconds))``, seconds taken in float32 (the exponent of the float:
+exact, the same in every implementation). The two bias tables are shared by the heads (one pair per
+layer). Sequences are given as rows ``offsets[b]:offsets[b + 1]`` of ``[N, heads, dim]`` tensors; no
+``[B, heads, L, L]`` or ``[B, L, L]`` tensor is ever made: each program keeps a ``BLOCK_M x BLOCK_N`` tile
+of scores in registers and reads the bias tables (a few kB) where it needs them.
+
+Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
+one program per block of keys walks the queries after it and accumulates dk, dv and the bias gradients;
+one program per block of queries walks the keys before it and accumulates dq. Both recompute the scores.
+The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
+position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows, the time
+table's from a loop over the buckets present in the tile; each ends in a few atomic adds into fp32 sums.
+
+Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
+capacity for CUDA graphs). Programs of blocks past a sequence's end exit at once, so the grid can be sized
+by the longest sequence the model allows rather than by the batch's (no host sync).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU op (tanh.approx, about 11 bits) instead of an exponential and a reciprocal
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 * t + 0.5
+    else:
+        return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _bias(i, j, ts_i, ts_j, position_table, time_table, num_positions, num_buckets, MASKED: tl.constexpr,
+          CLAMP: tl.constexpr):
+    """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket. In a tile off the diagonal
+    (not ``MASKED``) every distance i - j lies in [1, num_positions) unless ``CLAMP``: the position entries
+    are then read at addresses affine in i and j (immediate offsets, no per-pair address arithmetic)."""
+    distance = i - j
+    if CLAMP:
+        distance = tl.minimum(tl.maximum(distance, 0), num_positions - 1)
+    elif MASKED:
+        distance = tl.maximum(distance, 0)  # j > i: masked by the caller
+    seconds = tl.abs((ts_i - ts_j).to(tl.float32)) + 1.0
+    bucket = tl.minimum((seconds.to(tl.int32, bitcast=True) >> 23) - 127, num_buckets - 1)  # floor(log2): exact
+    return tl.load(position_table + distance) + tl.load(time_table + bucket), bucket
+
+
+@triton.jit
+def _rows(base, index, ok, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``index`` (zero where not ``ok``) of a [tokens, WIDTH] view: a [len(index), BLOCK] tile."""
+    w = tl.arange(0, BLOCK)
+    pointers = base + index[:, None] * stride + w[None, :]
+    if BLOCK == WIDTH:
+        return tl.load(pointers, mask=ok[:, None], other=0.0)
+    else:
+        return tl.load(pointers, mask=ok[:, None] & (w < WIDTH)[None, :], other=0.0)
+
+
+@triton.jit
+def _columns(base, index, ok, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """The same rows transposed: a [BLOCK, len(index)] tile."""
+    w = tl.arange(0, BLOCK)
+    pointers = base + index[None, :] * stride + w[:, None]
+    if BLOCK == WIDTH:
+        return tl.load(pointers, mask=ok[None, :], other=0.0)
+    else:
+        return tl.load(pointers, mask=ok[None, :] & (w < WIDTH)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    w = tl.arange(0, BLOCK)
+    pointers = base + index[:, None] * stride + w[None, :]
+    if BLOCK == WIDTH:
+        tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None])
+    else:
+        tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None] & (w < WIDTH)[None, :])
+
+
+@triton.jit
+def _sequence(offsets, seq):
+    start = tl.load(offsets + seq).to(tl.int64)
+    return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
+
+
+@triton.jit
+def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+              num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
+              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+              FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = key + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
+    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
+    ts_j = tl.load(ts + cols, mask=col_ok, other=0)
+    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], position_table, time_table,
+                    num_positions, num_buckets, MASKED, CLAMP)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
+    p = s * _sigmoid(s, FAST)
+    if MASKED:
+        p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
+    return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def _hstu_fwd(Q, K, V, Out, offsets, timestamps, position_table, time_table,
+              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+              num_positions, num_buckets,
+              ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+              PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most keys) start first
+    seq, head = tl.program_id(1), tl.program_id(2)
+    start, n = _sequence(offsets, seq)
+    first = block * BLOCK_M
+    if first >= n:
+        return
+    Q += start * stride_qn + head * stride_qh
+    K += start * stride_kn + head * stride_kh
+    V += start * stride_vn + head * stride_vh
+    ts = timestamps + start
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    q = _rows(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)
+    ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for key in range(0, first, BLOCK_N):  # keys before the block: every pair is causal
+        acc = _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+                        num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION,
+                        FAST, CLAMP, BLOCK_N)
+    for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):  # the diagonal: masked
+        acc = _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+                        num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION,
+                        FAST, CLAMP, BLOCK_N)
+    _store_rows(Out + start * stride_on + head * stride_oh, rows, row_ok, stride_on, acc / n.to(tl.float32),
+                HIDDEN_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
+               time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets,
+               ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+    """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
+    rows = row + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    q_t = _columns(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)  # [A, M]
+    do = _rows(dOut, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)  # [M, D], zero past the end
+    ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    bias, bucket = _bias(rows[None, :], cols[:, None], ts_i[None, :], ts_j[:, None], position_table, time_table,
+                         num_positions, num_buckets, MASKED, CLAMP)
+    s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
+    sig = _sigmoid(s, FAST)
+    p = s * sig
+    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds = dp * sig * (1.0 + s * (1.0 - sig))  # rows past the end have do = 0, so dp = ds = 0 there
+    if MASKED:
+        causal = rows[None, :] >= cols[:, None]
+        p = tl.where(causal, p, 0.0)
+        ds = tl.where(causal, ds, 0.0)
+    dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+    dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
+    # position table: one sum per diagonal (i - j constant): a skewed gather lines the diagonals up as columns
+    diagonal = tl.arange(0, SKEW)
+    skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)  # the query column of each
+    skew_ok = (skew >= 0) & (skew < BLOCK_M)
+    per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
+    distance = row - first + diagonal - (BLOCK_N - 1)
+    tl.atomic_add(d_position + tl.minimum(distance, num_positions - 1), per_diagonal * inv_n,
+                  mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1), sem="relaxed")
+    # time table: one sum per bucket present in the tile (a few, away from the diagonal)
+    present = row_ok[None, :] & (rows[None, :] >= cols[:, None]) if MASKED else row_ok[None, :]
+    for b in range(tl.min(tl.where(present, bucket, num_buckets)), tl.max(tl.where(present, bucket, -1)) + 1):
+        tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * inv_n, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamps, position_table, time_table,
+                   stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
+                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, num_positions, num_buckets,
+                   ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+    block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
+    start, n = _sequence(offsets, seq)
+    first = block * BLOCK_N
+    if first >= n:
+        return
+    Q += start * stride_qn + head * stride_qh
+    dOut += start * stride_don + head * stride_doh
+    ts = timestamps + start
+    cols = first + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    k = _rows(K + start * stride_kn + head * stride_kh, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
+    v = _rows(V + start * stride_vn + head * stride_vh, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
+    ts_j = tl.load(ts + cols, mask=col_ok, other=0)
+    inv_n = 1.0 / n.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    low = (first // BLOCK_M) * BLOCK_M
+    unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
+    for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
+        dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
+                            time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
+                            HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION, FAST, CLAMP, BLOCK_M, BLOCK_N, SKEW)
+    for row in range(unmasked, n, BLOCK_M):
+        dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
+                            time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
+                            HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION, FAST, CLAMP, BLOCK_M, BLOCK_N,
+                            SKEW)
+    _store_rows(dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM,
+                BLOCK_A)
+    _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM,
+                BLOCK_D)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+             num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
+             BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+             FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = key + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
+    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
+    ts_j = tl.load(ts + cols, mask=col_ok, other=0)
+    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], position_table, time_table,
+                    num_positions, num_buckets, MASKED, CLAMP)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
+    sig = _sigmoid(s, FAST)
+    ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
+    if MASKED:
+        ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+
+@triton.jit
+def _hstu_bwd_dq(Q, K, V, dOut, dQ, offsets, timestamps, position_table, time_table,
+                 stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
+                 stride_dqn, stride_dqh, num_positions, num_buckets,
+                 ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, head = tl.program_id(1), tl.program_id(2)
+    start, n = _sequence(offsets, seq)
+    first = block * BLOCK_M
+    if first >= n:
+        return
+    K += start * stride_kn + head * stride_kh
+    V += start * stride_vn + head * stride_vh
+    ts = timestamps + start
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    q = _rows(Q + start * stride_qn + head * stride_qh, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)
+    do = _rows(dOut + start * stride_don + head * stride_doh, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)
+    ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    for key in range(0, first, BLOCK_N):
+        dq = _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+                      num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION,
+                      FAST, CLAMP, BLOCK_N)
+    for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
+        dq = _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+                      num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION,
+                      FAST, CLAMP, BLOCK_N)
+    _store_rows(dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq / n.to(tl.float32),
+                ATTENTION_DIM, BLOCK_A)
+
+
+def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
+    """Launch settings per kernel. On CUDA, the fastest of the candidates timed on an H200 for heads of
+    128 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep``; BENCHMARKS.md); halved tiles for fp32,
+    whose tiles take twice the shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
+    if device.type != "cuda":
+        tile = dict(BLOCK_M=16, BLOCK_N=16)
+        return {"fwd": tile, "dkdv": tile, "dq": tile}
+    if dtype == torch.float32:
+        return {"fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+                "dkdv": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+                "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+    return {"fwd": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+            "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)}
+
+
+def _checked(configs: dict[str, dict]) -> dict[str, dict]:
+    for kind in ("fwd", "dq"):  # their unmasked key blocks end where the query block starts
+        if configs[kind]["BLOCK_M"] % configs[kind]["BLOCK_N"]:
+            raise ValueError(f"{kind}: BLOCK_N must divide BLOCK_M, got {configs[kind]}")
+    return configs
+
+
+def _sizes(q: torch.Tensor, v: torch.Tensor, position: torch.Tensor, time: torch.Tensor, max_len: int) -> dict:
+    block_a = max(16, triton.next_power_of_2(q.shape[-1]))
+    block_d = max(16, triton.next_power_of_2(v.shape[-1]))
+    return dict(ATTENTION_DIM=q.shape[-1], HIDDEN_DIM=v.shape[-1], BLOCK_A=block_a, BLOCK_D=block_d,
+                num_positions=position.numel(), num_buckets=time.numel(),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                FAST=q.dtype != torch.float32 and q.is_cuda,  # approximate sigmoid for 16-bit inputs only
+                CLAMP=max_len > position.numel())  # distances can pass the position table's last entry
+
+
+def _check(q, k, v, offsets, timestamps, position, time):
+    if not (q.dim() == k.dim() == v.dim() == 3 and q.shape[:2] == k.shape[:2] == v.shape[:2]):
+        raise ValueError(f"q, k, v must be [tokens, heads, dim] with equal tokens and heads; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1] or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q and k need the same width and q, k, v one dtype; got {tuple(q.shape)} {q.dtype}, "
+                         f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+    if timestamps.shape != q.shape[:1] or offsets.dim() != 1 or len(offsets) < 2:
+        raise ValueError(f"timestamps must be [tokens] ({q.shape[0]}) and offsets [sequences + 1]; got "
+                         f"{tuple(timestamps.shape)} and {tuple(offsets.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v must be contiguous in their last dimension")
+    if not (position.is_contiguous() and time.is_contiguous()):
+        raise ValueError("the bias tables must be contiguous")
+
+
+def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[int, int, int]:
+    return triton.cdiv(max(max_len, 1), block), len(offsets) - 1, heads
+
+
+class _HSTUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len):
+        sizes = _sizes(q, v, position, time, max_len)
+        configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
+        out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # rows outside every sequence stay zero
+        config = configs["fwd"]
+        _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+            q, k, v, out, offsets, timestamps, position, time,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            **sizes, **config)
+        ctx.save_for_backward(q, k, v, offsets, timestamps, position, time)
+        ctx.max_len, ctx.sizes, ctx.configs = max_len, sizes, configs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, offsets, timestamps, position, time = ctx.saved_tensors
+        do = grad if grad.stride(-1) == 1 else grad.contiguous()
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
+        d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
+        common = (offsets, timestamps, position, time, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                  v.stride(0), v.stride(1), do.stride(0), do.stride(1))
+        config = ctx.configs["dkdv"]
+        skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
+        _hstu_bwd_dkdv[_grid(ctx.max_len, config["BLOCK_N"], offsets, q.shape[1])](
+            q, k, v, do, dk, dv, d_position, d_time, *common,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), **ctx.sizes, **config, SKEW=skew)
+        config = ctx.configs["dq"]
+        _hstu_bwd_dq[_grid(ctx.max_len, config["BLOCK_M"], offsets, q.shape[1])](
+            q, k, v, do, dq, *common, dq.stride(0), dq.stride(1), **ctx.sizes, **config)
+        return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
+
+
+def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                   timestamps: torch.Tensor, position: torch.Tensor, time: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Fused jagged HSTU attention (see the module's docstring): ``q``, ``k`` ``[N, heads, attention_dim]``,
+    ``v`` ``[N, heads, hidden_dim]`` (inner dimension contiguous; views of a wider tensor are fine),
+    ``offsets`` ``[B + 1]`` (the rows of sequence b are ``offsets[b]:offsets[b + 1]``), ``timestamps``
+    ``[N]`` integers (seconds), ``position`` and ``time`` the 1-d bias tables, ``max_len`` at least the
+    longest sequence (it sizes the grid; no host sync). Returns ``[N, heads, hidden_dim]`` in v's dtype;
+    differentiable in q, k, v and both tables."""
+    _check(q, k, v, offsets, timestamps, position, time)
+    return _HSTUAttention.apply(q, k, v, offsets, timestamps, position, time, max_len)
