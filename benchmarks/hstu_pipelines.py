@@ -12,8 +12,15 @@ a step is the slowest rank's, and rank 0 prints per-rank and global samples/s an
 Lightning's own loop is left out with several ranks.
 
 Workloads (batch 32, zipf(1.2) history lengths capped at L, a 1M-row item table, bf16 autocast on CUDA):
-light: L=256, width 128, 2 layers, 2 heads x 32; heavy: L=1024, width 512, 8 layers, 4 heads x 128.
+light: L=256, width 128, 2 layers, 2 heads x 32; heavy: L=1024, width 512, 8 layers, 4 heads x 128;
+seed: L=4096, width 128, 10 layers, 4 heads x 128 (the seed engine's benchmark shape).
 (The model's token embeddings have the model's width.) ``--small`` shrinks everything for a CPU smoke run.
+
+``--attention padded fused`` runs every mode with the padded reference attention and with the fused
+jagged kernel, one block each. MFU: the model FLOPs of the measured batches
+(``HSTUObjectives.training_flops``, the formula in BENCHMARKS.md) over the step time, against the H200's
+989 TFLOP/s dense bf16 peak ("of 790": against the 790 TFLOP/s a bf16 matrix product reaches there).
+"peak GiB": the most GPU memory allocated during the mode.
 """
 
 import argparse
@@ -43,7 +50,10 @@ from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 WORKLOADS = {
     "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
     "heavy": dict(max_len=1024, embedding_dim=512, num_layers=8, num_heads=4, attention_dim=128, hidden_dim=128),
+    "seed": dict(max_len=4096, embedding_dim=128, num_layers=10, num_heads=4, attention_dim=128, hidden_dim=128),
 }
+PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
+"""H200 dense bf16: the datasheet's peak, and what a large bf16 matrix product reaches on that machine."""
 SMALL = dict(max_len=32, embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8)
 
 
@@ -68,16 +78,17 @@ def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
     return batches
 
 
-def model_sizes(sizes) -> dict:
+def model_sizes(sizes, attention="auto") -> dict:
     """HSTURecommender's arguments for a workload."""
     return dict(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"], num_heads=sizes["num_heads"],
                 attention_dim=sizes["attention_dim"], hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"],
-                dropout=0.0)
+                dropout=0.0, attention=attention)
 
 
-def build_model(sizes, device, num_items, world=1):
+def build_model(sizes, device, num_items, world=1, attention="auto"):
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes), num_items=num_items, num_users=1000, num_actions=5).to(device)
+    model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000,
+                            num_actions=5).to(device)
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(32, enabled=world > 1)  # one device: nothing to balance
@@ -120,7 +131,7 @@ def run_pipeline(model, optimizer, autocast, device):
 
 def run_engine(model, optimizer, autocast, device, preset, capture=False):
     losses = []
-    graphed = GraphedMethod(model.objectives, "losses") if capture else None
+    graphed = GraphedMethod(model.objectives, "losses", max_graphs=6) if capture else None
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
     engine = Engine(plan, engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed),
                     device=device if device.type == "cuda" else None, step_timeout=600,
@@ -174,10 +185,10 @@ class _StepTimer(pl.Callback):
             self.kernel_ms = _kernel_ms(self._profiler, self.steps)
 
 
-def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items):
+def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items, attention):
     """Lightning's own loop (HSTUPipelineStrategy(engine=False)) over the same batches and model sizes."""
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
+    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
     timer = _StepTimer(warmup, steps, repeats, device)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
@@ -185,10 +196,11 @@ def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items)
                          precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=total,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    _reset_peak(device)
     trainer.fit(model, _Batches(loop, num_items))
     times = timer.times[:repeats]
     return {"mode": "Lightning loop", "ms": statistics.median(times), "spread": max(times) - min(times),
-            "kernel_ms": timer.kernel_ms, "records": None}
+            "kernel_ms": timer.kernel_ms, "records": None, "peak_gib": _peak_gib(device)}
 
 
 def _sync(device):
@@ -211,6 +223,7 @@ def _kernel_ms(profiler, steps) -> float:
 
 
 def measure(name, run, batches, warmup, repeats, device):
+    _reset_peak(device)
     run(batches[:warmup])
     times, records = [], None
     for _ in range(repeats):
@@ -218,7 +231,26 @@ def measure(name, run, batches, warmup, repeats, device):
         times.append(ms)
         records = extra if isinstance(extra, list) else records
     return {"mode": name, "ms": statistics.median(times), "spread": max(times) - min(times),
-            "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records}
+            "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records,
+            "peak_gib": _peak_gib(device)}
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def step_flops(model, batches, negatives):
+    """Mean model FLOPs per step of ``batches`` (HSTUObjectives.training_flops)."""
+    return statistics.mean(model.objectives.training_flops(b.sequence_lengths().tolist(), negatives) for b in batches)
+
+
+def mfu(result, flops) -> float:
+    return flops / (result["ms"] * 1e-3) / (PEAK_TFLOPS * 1e12)
 
 
 def ratio(result) -> float:
@@ -232,6 +264,53 @@ def thread_host_ms(records, steps):
     return " ".join(f"{t}={v / steps:.2f}" for t, v in per_thread.items())
 
 
+def run_modes(args, sizes, batches, device, autocast, num_items, world, attention):
+    model = build_model(sizes, device, num_items, world, attention)
+    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    measure_ = lambda name, run: measure(name, run, batches, args.warmup, args.repeats, device)  # noqa: E731
+    results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
+    for preset in args.presets:
+        run, engine = run_engine(model, optimizer, autocast, device, preset)
+        try:
+            results.append(measure_(preset, run))
+        finally:
+            engine.close()
+    if device.type == "cuda" and args.presets:
+        best = min((r for r in results if r["mode"] in args.presets), key=lambda r: r["ms"])["mode"]
+        run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
+        try:
+            results.append(measure_(f"{best} + graphs", run))
+            print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
+        finally:
+            engine.close()
+    if not args.no_lightning and world == 1:
+        results.append(measure_lightning(sizes, batches, args.warmup, args.steps, args.repeats, device, num_items,
+                                         attention))
+    if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
+        results.append(measure_("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device)))
+    return results, model
+
+
+def report(say, results, model, measured, negatives, world, steps):
+    flops = step_flops(model, measured, negatives)
+    global_column = f" {'global/s':>9}" if world > 1 else ""
+    say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
+    say(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
+        f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8}  host ms/step per engine thread (rank 0)")
+    for r in results:
+        kernel = r["kernel_ms"]
+        global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
+            f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
+            f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8}  "
+            f"{thread_host_ms(r['records'], steps)}")
+    before, after, shuffled = model.balance_totals
+    if shuffled and world > 1:
+        say(f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
+            f"{after / shuffled:.3f}, mean over {shuffled} global batches")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -241,6 +320,9 @@ def main():
     parser.add_argument("--presets", nargs="+", default=list(PRESET_NAMES))
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
+    parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
+    parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "fused", "padded"],
+                        help="auto: fused on CUDA, padded elsewhere")
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -253,49 +335,23 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)  # rank 0 reports
     autocast = "cuda" if device.type == "cuda" else None
     num_items = 1000 if args.small else 1_000_000
+    negatives = 16
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     say(f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {world} rank(s); {args.steps} steps "
           f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}")
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
-        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, 16, seed=rank)
+        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        say(f"\n## {workload}: {sizes}, mean {tokens:.0f} events per batch")
-        model = build_model(sizes, device, num_items, world)
-        optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
-        results = [measure("plain loop", run_plain(model, optimizer, autocast), batches, args.warmup, args.repeats, device)]
-        for preset in args.presets:
-            run, engine = run_engine(model, optimizer, autocast, device, preset)
+        for attention in args.attention:
+            say(f"\n## {workload}, {attention} attention: {sizes}, mean {tokens:.0f} events per batch")
             try:
-                results.append(measure(preset, run, batches, args.warmup, args.repeats, device))
-            finally:
-                engine.close()
-        if device.type == "cuda" and args.presets:
-            best = min((r for r in results if r["mode"] in args.presets), key=lambda r: r["ms"])["mode"]
-            run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
-            try:
-                results.append(measure(f"{best} + graphs", run, batches, args.warmup, args.repeats, device))
-                say(f"captured: {engine.captured}")
-            finally:
-                engine.close()
-        if not args.no_lightning and world == 1:
-            results.append(measure_lightning(sizes, batches, args.warmup, args.steps, args.repeats, device, num_items))
-        # last: TorchRec's pipeline rewrites the sharded module in place when it starts
-        results.append(measure("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device), batches,
-                               args.warmup, args.repeats, device))
-        global_column = f" {'global/s':>9}" if world > 1 else ""
-        say(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
-              f"{'step/kernel':>11}  host ms/step per engine thread (rank 0)")
-        for r in results:
-            kernel = r["kernel_ms"]
-            global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
-            say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
-                  f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11}  "
-                  f"{thread_host_ms(r['records'], args.steps)}")
-        before, after, shuffled = model.balance_totals
-        if shuffled and world > 1:
-            say(f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
-                  f"{after / shuffled:.3f}, mean over {shuffled} global batches")
+                results, model = run_modes(args, sizes, batches, device, autocast, num_items, world, attention)
+            except torch.cuda.OutOfMemoryError as error:
+                say(f"out of memory: {str(error).splitlines()[0]}")
+                torch.cuda.empty_cache()
+                continue
+            report(say, results, model, batches[args.warmup:], negatives, world, args.steps)
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
 """Properties of the HSTU layer that the model relies on."""
 
+import pytest
 import torch
 
-from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, to_padded
+from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, Padding, to_padded
 
 CONFIG = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32)
 
@@ -95,3 +96,97 @@ def test_what_graph_capture_records_is_the_method_with_its_parameters_as_argumen
     sum(expected).backward()
     for copy, real in zip(params, objectives.parameters()):
         torch.testing.assert_close(copy.grad, real.grad)
+
+
+def jagged_histories(lengths, seed=0):
+    """Tokens of several histories back to back (with a history of one token), and their times."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    values = torch.randn(int(lengths.sum()), CONFIG.embedding_dim, generator=gen)
+    times = torch.cumsum(torch.randint(0, 5000, (len(values),), generator=gen), 0)
+    return values, times, lengths
+
+
+def test_the_jagged_stack_computes_what_the_padded_stack_does():
+    """The fused kernel's layout (Triton's interpreter on the CPU): the same hidden states and gradients."""
+    model = stack()
+    values, times, lengths = jagged_histories([1, 32, 9, 20])
+    x, mask = to_padded(values, lengths)
+    t, _ = to_padded(times, lengths)
+    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+    padded = model(x, mask, t)[mask]
+    weights = torch.randn_like(padded)
+    (padded * weights).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    jagged = model.jagged(values, offsets, times)
+    (jagged * weights).sum().backward()
+    torch.testing.assert_close(jagged, padded, rtol=1e-5, atol=1e-5)
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def objectives_and_inputs(attention):
+    from lightning_hstu.models.hstu import HSTUObjectives
+
+    torch.manual_seed(0)
+    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05, attention=attention)
+    for p in objectives.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([1, CONFIG.max_seq_len - 1, 7, 0, 3])  # an empty history and a full one
+    n, batch, negatives, width = int(lengths.sum()), len(lengths), 4, CONFIG.embedding_dim
+    leaves = [torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen),
+              torch.randn(batch, width, generator=gen), torch.randn(batch, negatives, width, generator=gen)]
+    times = torch.cumsum(torch.randint(0, 5000, (n,), generator=gen), 0)
+    actions = torch.randint(0, 5, (n,), generator=gen)
+    return objectives, [t.requires_grad_() for t in leaves], times, actions, lengths
+
+
+def losses_and_gradients(objectives, inputs, leaves):
+    retrieval, ranking = objectives.losses(*inputs)
+    (retrieval + 2 * ranking).backward()
+    return [retrieval.detach(), ranking.detach(), *(t.grad for t in leaves), *(p.grad for p in objectives.parameters())]
+
+
+@pytest.mark.parametrize("extra_rows", [0, 9])
+def test_the_jagged_losses_equal_the_padded_losses(extra_rows):
+    """Both layouts of HSTUObjectives.losses on the same histories, also with a token capacity (rows past
+    the real events, as graph capture uses)."""
+    from lightning_hstu.models.hstu import JaggedInputs
+
+    padded_objectives, leaves, times, actions, lengths = objectives_and_inputs("padded")
+    padding = Padding(lengths, len(times), CONFIG.max_seq_len - 1)
+    events, targets, user, negatives = leaves
+    expected = losses_and_gradients(padded_objectives, (padding(events), padding(targets), user, negatives,
+                                                        padding(times), padding(actions), padding.mask), leaves)
+    jagged_objectives, leaves, times, actions, lengths = objectives_and_inputs("fused")
+    events, targets, user, negatives = leaves
+    grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
+    inputs = JaggedInputs(grow(events), grow(targets), user, negatives, grow(times), grow(actions), lengths)
+    got = losses_and_gradients(jagged_objectives, inputs, leaves)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_token_capacities_are_few_and_waste_at_most_a_quarter():
+    from lightning_hstu.models.hstu import token_capacity
+
+    capacities = [token_capacity(n, 10_000) for n in range(1, 10_001)]
+    assert all(n <= c <= max(n * 1.25, n + 1) for n, c in enumerate(capacities, 1))
+    assert len(set(capacities[2048:4096])) == 4  # four per power of two
+    assert token_capacity(9_999, 5_000) == 5_000
+
+
+def test_training_flops_count_the_matrix_products_of_the_jagged_step():
+    """The model FLOPs that MFU is taken against, by hand for one layer: 3 x (linear maps per token,
+    q.k and a.v per causal pair and head, the retrieval scores and the ranking head per event)."""
+    from lightning_hstu.models.hstu import HSTUObjectives
+
+    config = HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=4, max_seq_len=32)
+    objectives = HSTUObjectives(config, num_actions=5, temperature=0.05)
+    lengths, negatives = [3, 1], 4
+    tokens, pairs = 4 + 2, (4 * 5 + 2 * 3) // 2
+    layer = 2 * tokens * 16 * (2 * 16 + 2 * 8) + 2 * tokens * 8 * 16 + 2 * pairs * (16 + 8)
+    events = 4 * (2 * 16 * (1 + negatives) + 2 * (32 * 16 + 16 * 5))
+    assert objectives.training_flops(lengths, negatives) == 3 * (layer + events)

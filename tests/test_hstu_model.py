@@ -184,3 +184,31 @@ def test_an_embedding_cache_on_cpu_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match=r"cache_load_factor=0.2 on cpu: .*use None on CPU"):
         fit_hstu(Cached, epochs=1)
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_the_fused_attention_trains_like_the_padded_reference(engine):
+    """HSTURecommender(attention="fused"), the jagged layout and the Triton kernel (its CPU interpreter here;
+    the CUDA default), under the engine and under Lightning's own loop: the same losses, step by step, and
+    the same weights as attention="padded" (fp32; the kernel sums in another order)."""
+    def fit(attention):
+        model, _, recorder = fit_hstu(epochs=1, strategy=HSTUPipelineStrategy("default_d6", engine=engine),
+                                      model_kwargs=dict(attention=attention), limit_train_batches=4,
+                                      limit_val_batches=0)
+        return model, recorder.losses
+
+    fused, fused_losses = fit("fused")
+    padded, padded_losses = fit("padded")
+    assert len(fused_losses) == 4
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(padded_losses), rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(fused.objectives.state_dict().items(), padded.objectives.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_unknown_attention_or_a_fused_one_without_cuda_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="unknown attention 'flash'; valid: auto, fused, padded"):
+        HSTURecommender(**SMALL_MODEL, attention="flash")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention='fused' runs a Triton kernel: it needs a CUDA device"):
+        fit_hstu(epochs=1, model_kwargs=dict(attention="fused"), limit_train_batches=1, limit_val_batches=0)
+    assert HSTURecommender(**SMALL_MODEL).objectives.fused(torch.device("cpu")) is False  # auto: padded on CPU

@@ -53,11 +53,11 @@ def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
 
 def dense_losses(objectives: nn.Module, batch: HSTUBatch, embeddings,
                  graphed: GraphedMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs padded
-    to the model's length) when given."""
+    """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs of
+    static shapes: padded to the model's length, or jagged with a token capacity) when given."""
     if graphed is None:
         return objectives(batch, embeddings)
-    return graphed(*objectives.dense_inputs(batch, embeddings, objectives.max_events))
+    return graphed(*objectives.dense_inputs(batch, embeddings, static=True))
 
 
 def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor,

@@ -36,7 +36,7 @@ def _sigmoid(x, FAST: tl.constexpr):
                                       is_pure=True, pack=1)
         return 0.5 * t + 0.5
     else:
-        return 1.0 / (1.0 + tl.exp(-x))
+        return 1.0 / (1.0 + tl.exp(tl.minimum(-x, 80.0)))  # exp(80) is finite in fp32: no overflow
 
 
 @triton.jit

@@ -11,7 +11,10 @@ divided by the global token count (all ranks), so that the data-parallel mean of
 loss of the whole global batch.
 """
 
+import functools
+import importlib.util
 import math
+import os
 from typing import NamedTuple
 
 import lightning.pytorch as pl
@@ -30,6 +33,11 @@ from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 
+ATTENTION = ("auto", "fused", "padded")
+"""How the HSTU layers attend: ``fused``, the jagged Triton kernel (no padding anywhere in the dense part);
+``padded``, the plain-PyTorch reference over histories padded to a length; ``auto``, fused on CUDA, padded
+elsewhere."""
+
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 """Optimizers TorchRec fuses into the embedding backward."""
 
@@ -39,8 +47,11 @@ class HSTURecommender(pl.LightningModule):
                  hidden_dim: int = 32, max_seq_len: int = 200, dropout: float = 0.1, temperature: float = 0.05,
                  lr: float = 1e-3, sparse_lr: float = 0.05, sparse_optimizer: str = "adagrad",
                  balance_batches: bool = True, on_nonfinite_loss: str = "raise", cache_load_factor: float | None = None,
-                 num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None):
+                 num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None,
+                 attention: str = "auto"):
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
         if on_nonfinite_loss not in ("raise", "skip"):
@@ -48,7 +59,7 @@ class HSTURecommender(pl.LightningModule):
         self.save_hyperparameters()
         config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
                             dropout=dropout)
-        self.objectives = HSTUObjectives(config, num_actions or 5, temperature)
+        self.objectives = HSTUObjectives(config, num_actions or 5, temperature, attention)
         self.embeddings: ShardedEmbeddings | None = None
         self.balance_totals = [0.0, 0.0, 0]
         """Sums of the shuffler's max/mean rank cost before and after, and the number of global batches."""
@@ -57,6 +68,7 @@ class HSTURecommender(pl.LightningModule):
         self._nonfinite: set[int] = set()
         self._graphed: GraphedMethod | None = None
         self._unpipelined_batch: int | None = None  # set while Lightning's own loop trains a batch
+        self._last_batch: HSTUBatch | None = None
 
     # ----- built once the process group exists ------------------------------------------------------
 
@@ -68,6 +80,8 @@ class HSTURecommender(pl.LightningModule):
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
         self.num_items = num_items
         device = self.trainer.strategy.root_device
+        if self.objectives.fused(device):
+            self._check_length("the fused attention kernel sizes its grid by")
         self.embeddings = ShardedEmbeddings(
             embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
@@ -120,16 +134,20 @@ class HSTURecommender(pl.LightningModule):
         self._watch(b.index)
 
     def hstu_graphs(self) -> dict[str, GraphedMethod]:
-        """What the engine captures when the plan marks forward capturable: the dense losses, padded to
-        the model's length (static shapes for a fixed batch size)."""
+        """What the engine captures when the plan marks forward capturable: the dense losses on inputs of
+        static shapes (``HSTUObjectives.dense_inputs(static=True)``): padded to the model's length, or
+        jagged with the token count rounded up to a capacity (one graph per capacity, up to 6)."""
         if self._graphed is None:
-            data_length = getattr(self.trainer.datamodule, "max_seq_len", None) if self._trainer else None
-            if data_length is not None and data_length > self.objectives.max_events:
-                raise ValueError(f"graph capture pads histories to the model's max_seq_len "
-                                 f"({self.objectives.max_events}), but the data module's histories reach "
-                                 f"max_seq_len={data_length}: make them equal")
-            self._graphed = GraphedMethod(self.objectives, "losses")
+            self._check_length("graph capture pads histories to")
+            fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
+            self._graphed = GraphedMethod(self.objectives, "losses", max_graphs=6 if fused else 2)
         return {"forward": self._graphed}
+
+    def _check_length(self, what: str) -> None:
+        data_length = getattr(self.trainer.datamodule, "max_seq_len", None) if self._trainer else None
+        if data_length is not None and data_length > self.objectives.max_events:
+            raise ValueError(f"{what} the model's max_seq_len ({self.objectives.max_events}), but the data "
+                             f"module's histories reach max_seq_len={data_length}: make them equal")
 
     def _finalize_grads(self, index: int) -> None:
         self.dense_grads.finalize()
@@ -178,7 +196,18 @@ class HSTURecommender(pl.LightningModule):
 
     # ----- training and evaluation --------------------------------------------------------------------
 
+    @property
+    def flops_per_batch(self) -> int | None:
+        """Model FLOPs of the last trained batch (``HSTUObjectives.training_flops``): what Lightning's
+        ``ThroughputMonitor`` reads to report MFU. Reading it waits for that batch's lengths on the host."""
+        if self._last_batch is None:
+            return None
+        batch = self._last_batch
+        negatives = batch.features.length_per_key()[batch.features.keys().index("item_neg")] // batch.size
+        return self.objectives.training_flops(batch.sequence_lengths().tolist(), negatives)
+
     def training_step(self, batch: HSTUBatch, batch_idx: int):
+        self._last_batch = batch  # for flops_per_batch (read only if asked: it waits for the lengths)
         strategy = self.trainer.strategy
         slots = getattr(strategy, "batch_slots", None)
         if slots is not None:  # the engine's tasks looked up the embeddings and counted the tokens
@@ -207,10 +236,7 @@ class HSTURecommender(pl.LightningModule):
 
     def validation_step(self, batch: HSTUBatch, batch_idx: int):
         """Leave-last-out: rank the held-out item among all items by the state after the whole history."""
-        embeddings = self.embeddings(sparse_features(batch))
-        inputs = self.objectives.dense_inputs(batch, embeddings)
-        hidden = self.objectives.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
-        last = hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]  # the state after the last event
+        last = self.objectives.last_states(batch, self.embeddings(sparse_features(batch)))
         scores = F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
         scores[:, 0] = -math.inf  # id 0 is no item
         target = batch.features["target"].values()
@@ -230,8 +256,9 @@ class HSTURecommender(pl.LightningModule):
 
 
 class DenseInputs(NamedTuple):
-    """The dense part's inputs, padded to a length: what a CUDA graph of the dense part takes (static
-    shapes for a fixed batch size and length). The first four carry gradients back to the embeddings."""
+    """The dense part's inputs, padded to a length: what a CUDA graph of the padded dense part takes
+    (static shapes for a fixed batch size and length). The first four carry gradients back to the
+    embeddings."""
 
     events: torch.Tensor
     """[B, L, D] item + action embeddings of each history."""
@@ -249,59 +276,188 @@ class DenseInputs(NamedTuple):
     """[B, L] True at real events."""
 
 
+class JaggedInputs(NamedTuple):
+    """The same inputs with every history's events back to back (no padding): ``C`` event rows, the
+    first ``lengths.sum()`` real. For a CUDA graph ``C`` is a capacity (``token_capacity``) and the rows
+    past the real ones are zero: the shapes then depend on the batch size and the capacity only."""
+
+    events: torch.Tensor
+    """[C, D] item + action embeddings."""
+    targets: torch.Tensor
+    """[C, D] item embeddings."""
+    user: torch.Tensor
+    """[B, D]"""
+    negatives: torch.Tensor
+    """[B, K, D]"""
+    times: torch.Tensor
+    """[C] event timestamps."""
+    actions: torch.Tensor
+    """[C] event actions."""
+    lengths: torch.Tensor
+    """[B] events per history."""
+
+
+def token_capacity(events: int, most: int) -> int:
+    """``events`` rounded up to one of four steps per power of two (at most 25% more), capped at
+    ``most``: the few static token counts the jagged dense part is captured for."""
+    step = 1 << max(0, events.bit_length() - 3)
+    return min(-(-events // step) * step, most)
+
+
+class JaggedLayout:
+    """Where every history's tokens go in the stack's jagged input: sample b's are its user token, then its
+    events, and the samples follow each other; event rows past the real ones (a capacity) come last, in no
+    sequence. Computed on the device from the lengths: no host sync."""
+
+    def __init__(self, lengths: torch.Tensor, capacity: int):
+        batch, device = len(lengths), lengths.device
+        ends = torch.cumsum(lengths, 0)
+        self.event_offsets = F.pad(ends, (1, 0))
+        self.token_offsets = self.event_offsets + torch.arange(batch + 1, device=device)
+        event = torch.arange(capacity, device=device)
+        self.sample = torch.searchsorted(ends, event, right=True)  # ``batch`` for rows past the real ones
+        self.real = self.sample < batch
+        self.event_token = event + self.sample + self.real  # past the user tokens up to its own
+        self.size = capacity + batch
+
+    def tokens(self, user: torch.Tensor, events: torch.Tensor) -> torch.Tensor:
+        rows = events.new_zeros((self.size, *events.shape[1:]))
+        return rows.index_copy(0, self.token_offsets[:-1], user).index_copy(0, self.event_token, events)
+
+    def user_times(self, times: torch.Tensor) -> torch.Tensor:
+        """The user token's time: its history's first event's (0 for an empty history), as padding gives."""
+        first = self.event_offsets[:-1].clamp(max=max(len(times) - 1, 0))
+        return torch.where(self.event_offsets[1:] > self.event_offsets[:-1], times[first], 0)
+
+
 class HSTUObjectives(nn.Module):
     """The dense part: the HSTU stack and the ranking head, from looked-up embeddings to the two losses.
 
     Holds no embedding table, so it is what megatron-core's DDP wraps (and what TorchRec's pipeline tracer
-    treats as a leaf). ``losses`` works on padded tensors of fixed shapes only (no host sync, no data-
-    dependent shape), so that it can be captured in a CUDA graph; ``dense_inputs`` pads the jagged batch."""
+    treats as a leaf). ``losses`` takes the tensors of ``dense_inputs``: padded (the reference) or jagged
+    (the fused attention kernel), by the ``attention`` choice and the device; with ``static=True`` their
+    shapes are fixed per batch size (and capacity), with no host sync, so that they can be captured in a
+    CUDA graph."""
 
-    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float):
+    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float, attention: str = "padded"):
         super().__init__()
-        self.embedding_dim, self.temperature = config.embedding_dim, temperature
+        self.embedding_dim, self.temperature, self.attention = config.embedding_dim, temperature, attention
         self.max_events = config.max_seq_len - 1  # the user token takes one position
         self.stack = HSTUStack(config)
         self.ranking_head = nn.Sequential(nn.Linear(2 * config.embedding_dim, config.embedding_dim), nn.SiLU(),
                                           nn.Linear(config.embedding_dim, num_actions))
 
-    def forward(self, batch: HSTUBatch, embeddings, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed retrieval and ranking losses over every position of every history (padded to ``length``,
-        or to the longest history of the batch)."""
-        return self.losses(*self.dense_inputs(batch, embeddings, length))
+    def training_flops(self, lengths: list[int], negatives: int) -> int:
+        """Model FLOPs of one training step (forward and backward, 3x the forward's matrix products) of a
+        batch of histories with ``lengths`` events and ``negatives`` sampled negatives each, counted on the
+        jagged tokens (n + 1 per history, the user token first): per layer the two linear maps and, per
+        causal pair, q.k and the weighted sum of v, per head; then the retrieval scores and the ranking
+        head per event. Padding, recomputation, norms and pointwise ops are not counted."""
+        stack, config = self.stack, self.stack.config
+        width, heads = config.embedding_dim, config.num_heads
+        qk, uv = heads * config.attention_dim, heads * config.hidden_dim
+        tokens = sum(lengths) + len(lengths)
+        pairs = sum((n + 1) * (n + 2) // 2 for n in lengths)
+        per_layer = 2 * tokens * width * (2 * qk + 2 * uv) + 2 * tokens * uv * width + 2 * pairs * (qk + uv)
+        head = self.ranking_head
+        per_event = 2 * width * (1 + negatives) + 2 * (head[0].in_features * head[0].out_features
+                                                        + head[2].in_features * head[2].out_features)
+        return 3 * (len(stack.layers) * per_layer + sum(lengths) * per_event)
 
-    def dense_inputs(self, batch: HSTUBatch, embeddings, length: int | None = None) -> DenseInputs:
+    def fused(self, device: torch.device) -> bool:
+        """Whether the fused kernel (jagged layout) runs on ``device``."""
+        if self.attention == "padded":
+            return False
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if self.attention == "fused" and device.type != "cuda" and not interpreted:
+            raise ValueError(f"attention='fused' runs a Triton kernel: it needs a CUDA device, not {device} "
+                             f"(TRITON_INTERPRET=1 runs it in Triton's CPU interpreter, slowly, for tests); "
+                             f"attention='padded' runs anywhere")
+        return self.attention == "fused" or (device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+
+    def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed retrieval and ranking losses over every position of every history."""
+        return self.losses(*self.dense_inputs(batch, embeddings))
+
+    def dense_inputs(self, batch: HSTUBatch, embeddings, static: bool = False) -> DenseInputs | JaggedInputs:
         lengths = batch.sequence_lengths()
         items = embeddings["item"].values()
         negatives = embeddings["item_neg"].values()
-        pad = Padding(lengths, len(items), length)
-        return DenseInputs(events=pad(items + embeddings["action"].values()), targets=pad(items),
-                           user=embeddings["user"].values(),
-                           negatives=negatives.view(len(lengths), -1, negatives.shape[-1]),
-                           times=pad(batch.features["time"].values()), actions=pad(batch.features["action"].values()),
-                           mask=pad.mask)
+        negatives = negatives.view(len(lengths), -1, negatives.shape[-1])
+        events, user = items + embeddings["action"].values(), embeddings["user"].values()
+        times, actions = batch.features["time"].values(), batch.features["action"].values()
+        if self.fused(items.device):
+            capacity = token_capacity(len(items), self.max_events * len(lengths)) if static else len(items)
+            pad = functools.partial(_pad_rows, rows=capacity)
+            return JaggedInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
+                                times=pad(times), actions=pad(actions), lengths=lengths)
+        pad = Padding(lengths, len(items), self.max_events if static else None)
+        return DenseInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
+                           times=pad(times), actions=pad(actions), mask=pad.mask)
 
-    def losses(self, events, targets, user, negatives, times, actions, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed losses of ``dense_inputs``' tensors (either layout)."""
+        if len(inputs) == len(JaggedInputs._fields) and inputs[-1].dim() == 1:
+            return self._jagged_losses(*inputs)
+        return self._padded_losses(*inputs)
+
+    def _padded_losses(self, events, targets, user, negatives, times, actions, mask):
         hidden = self.encode(events, user, times, mask)
         # The state before each event predicts that event; padded positions are computed and masked out.
         # Each position is scored against its own sample's negatives, so the summed loss is additive over
         # samples (how the ranks split a global batch does not change it).
-        predicting = hidden[:, :-1]
+        return self._sums(hidden[:, :-1], targets, actions, mask.to(torch.float32),
+                          lambda query: query @ F.normalize(negatives, dim=-1).transpose(1, 2))
+
+    def _jagged_losses(self, events, targets, user, negatives, times, actions, lengths):
+        layout = JaggedLayout(lengths, len(events))
+        hidden = self.stack.jagged(layout.tokens(user, events), layout.token_offsets,
+                                   layout.tokens(layout.user_times(times), times))
+        sample = layout.sample.clamp(max=len(lengths) - 1)
+        batch, negative_count = negatives.shape[:2]
+
+        def negative_scores(query):  # [C, B * K] in one product, then each event's own sample's K
+            every = query @ F.normalize(negatives, dim=-1).flatten(0, 1).T
+            return every.view(len(query), batch, negative_count)[torch.arange(len(query), device=query.device), sample]
+
+        return self._sums(hidden.index_select(0, layout.event_token - 1), targets, actions,
+                          layout.real.to(torch.float32), negative_scores)
+
+    def _sums(self, predicting, targets, actions, weight, negative_scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieval (sampled softmax, the positive at 0) and ranking (next action) losses summed over the
+        positions of ``weight`` (the padded [B, L] or jagged [C] layout alike)."""
         query = F.normalize(predicting, dim=-1)
-        positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)  # [B, L, 1]
-        negative = query @ F.normalize(negatives, dim=-1).transpose(1, 2)  # [B, L, K]
-        logits = torch.cat([positive, negative], dim=-1) / self.temperature
+        positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
+        logits = torch.cat([positive, negative_scores(query)], dim=-1) / self.temperature
         retrieval = torch.logsumexp(logits.float(), dim=-1) - logits[..., 0].float()  # CE with the positive at 0
         ranking_logits = self.ranking_head(torch.cat([predicting, targets], dim=-1)).float()
-        ranking = F.cross_entropy(ranking_logits.flatten(0, 1), actions.flatten(), reduction="none")
-        weight = mask.to(retrieval.dtype)
+        ranking = F.cross_entropy(ranking_logits.reshape(-1, ranking_logits.shape[-1]), actions.reshape(-1),
+                                  reduction="none")
+        weight = weight.to(retrieval.dtype)
         return (retrieval * weight).sum(), (ranking.view_as(weight) * weight).sum()
 
     def encode(self, events, user, times, mask) -> torch.Tensor:
-        """Hidden states [B, 1 + L, D] over (user token, events)."""
+        """Padded: hidden states [B, 1 + L, D] over (user token, events)."""
         tokens = torch.cat([user[:, None], events], dim=1)
         token_mask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
         token_times = torch.cat([times[:, :1], times], dim=1)
         return self.stack(tokens, token_mask, token_times)
+
+    def last_states(self, batch: HSTUBatch, embeddings) -> torch.Tensor:
+        """[B, D] each history's state after its last event (what ranks the next item)."""
+        inputs = self.dense_inputs(batch, embeddings)
+        if isinstance(inputs, JaggedInputs):
+            layout = JaggedLayout(inputs.lengths, len(inputs.events))
+            hidden = self.stack.jagged(layout.tokens(inputs.user, inputs.events), layout.token_offsets,
+                                       layout.tokens(layout.user_times(inputs.times), inputs.times))
+            return hidden[layout.token_offsets[1:] - 1]
+        hidden = self.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
+        return hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]
+
+
+def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``values`` with zero rows appended up to ``rows``."""
+    return values if rows == len(values) else torch.cat([values, values.new_zeros((rows - len(values), *values.shape[1:]))])
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:

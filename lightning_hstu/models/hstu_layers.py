@@ -165,7 +165,7 @@ class JaggedTokens(NamedTuple):
 class HSTUStack(nn.Module):
     def __init__(self, config: HSTUConfig):
         super().__init__()
-        self.max_seq_len = config.max_seq_len
+        self.config, self.max_seq_len = config, config.max_seq_len
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)
 

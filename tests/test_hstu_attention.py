@@ -1,0 +1,145 @@
+"""The fused jagged HSTU attention kernel against the padded PyTorch reference: output and every gradient
+(q, k, v, both bias tables). On the CPU machine the kernel runs in Triton's interpreter (fp32; the
+interpreter does not compute bf16); on a GPU the same checks run on CUDA, and bf16 is checked too.
+
+Tolerances: fp32, relative norm error 1e-5 (the kernel sums in another order than the reference; the
+fp32 path uses exact products and an exact sigmoid); bf16, 1e-2 against the fp32 reference on the same
+rounded inputs (bf16 operands, fp32 accumulation, an approximate sigmoid)."""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lightning_hstu.kernels import hstu_attention as kernel  # noqa: E402
+from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, RelativeBias, time_bucket, to_padded  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def jagged_batch(lengths, heads, attention_dim, hidden_dim, buckets, device, dtype=torch.float32, seed=0):
+    """Random q, k, v and times whose gaps include 0 (the first bucket), gaps at both sides of powers of
+    two, and gaps past 2^(buckets - 1) (the last bucket)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, heads, d, generator=gen).to(device, dtype).requires_grad_()
+               for d in (attention_dim, attention_dim, hidden_dim))
+    gaps = torch.randint(0, 200, (n,), generator=gen)
+    gaps[::4] = 0
+    gaps[1::9] = 2 ** (buckets + 2)
+    gaps[2::7] = 2 ** 6 - 1
+    gaps[3::7] = 2 ** 6 - 2
+    times = torch.cumsum(gaps, 0).to(device)
+    lengths = torch.tensor(lengths, device=device)
+    return q, k, v, torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)), times, lengths
+
+
+def bias_tables(num_positions, buckets, device, seed=1):
+    torch.manual_seed(seed)
+    bias = RelativeBias(HSTUConfig(max_seq_len=num_positions, time_buckets=buckets)).to(device)
+    torch.nn.init.normal_(bias.position)
+    torch.nn.init.normal_(bias.time)
+    return bias
+
+
+def reference(q, k, v, lengths, times, bias):
+    """The padded plain-PyTorch attention of the HSTU layer, in fp32, back to the jagged rows."""
+    qp, mask = to_padded(q.float(), lengths)
+    kp, _ = to_padded(k.float(), lengths)
+    vp, _ = to_padded(v.float(), lengths)
+    tp, _ = to_padded(times, lengths)
+    return PaddedTokens(mask, bias.indices(tp)).attend(qp, kp, vp, bias)[mask]
+
+
+def outputs_and_gradients(attention, q, k, v, bias, grad):
+    for t in (q, k, v, *bias.parameters()):
+        t.grad = None
+    out = attention()
+    (out.float() * grad).sum().backward()
+    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float(), bias.position.grad, bias.time.grad]
+
+
+def relative_errors(got, expected):
+    names = ["out", "dq", "dk", "dv", "dposition", "dtime"]
+    return {name: ((g - e).norm() / e.norm()).item() for name, g, e in zip(names, got, expected)}
+
+
+CASES = {  # lengths, heads, attention_dim, hidden_dim, position entries, buckets, max_len
+    "length-1 rows and rows of exactly L": ([1, 40, 17, 1, 33, 40], 2, 16, 32, 40, 8, 40),
+    "head widths that are not powers of two": ([5, 23, 1, 30], 2, 24, 20, 30, 6, 30),
+    "sequences longer than the position table": ([50, 3, 44], 1, 16, 16, 20, 8, 50),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device):
+    lengths, heads, a, d, positions, buckets, max_len = CASES[case]
+    q, k, v, offsets, times, lengths_t = jagged_batch(lengths, heads, a, d, buckets, device)
+    bias = bias_tables(positions, buckets, device)
+    grad = torch.randn(len(q), heads, d, device=device)
+    got = outputs_and_gradients(
+        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad)
+    expected = outputs_and_gradients(lambda: reference(q, k, v, lengths_t, times, bias), q, k, v, bias, grad)
+    errors = relative_errors(got, expected)
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_the_data_reaches_the_first_and_the_last_time_bucket():
+    """What the equality test relies on: its times put pairs into bucket 0 and into the last (capped) one."""
+    lengths, _, _, _, _, buckets, _ = CASES["length-1 rows and rows of exactly L"]
+    *_, times, lengths_t = jagged_batch(lengths, 2, 16, 32, buckets, "cpu")
+    padded, mask = to_padded(times, lengths_t)
+    _, bucket = RelativeBias(HSTUConfig(max_seq_len=40, time_buckets=buckets)).indices(padded)
+    pairs = mask[:, :, None] & mask[:, None, :] & torch.ones(40, 40, dtype=torch.bool).tril()
+    assert {0, buckets - 1} <= set(bucket[pairs].tolist())
+
+
+def test_time_buckets_are_exact_at_powers_of_two():
+    gaps = torch.tensor([0, 1, 2, 3, *[2 ** e - 2 for e in range(3, 25)], *[2 ** e - 1 for e in range(3, 25)]])
+    expected = [math.floor(math.log2(g + 1)) for g in gaps.tolist()]
+    assert time_bucket(gaps, 64).tolist() == expected
+    assert time_bucket(-gaps, 64).tolist() == expected  # |gap|
+    assert time_bucket(gaps, 5).max() == 4  # capped at the last bucket
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device):
+    """A static token capacity: rows past offsets[-1] belong to no sequence."""
+    q, k, v, offsets, times, _ = jagged_batch([7, 12], 2, 16, 16, 8, device)
+    extra = 5
+    grown = [torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_() for t in (q, k, v)]
+    times = torch.cat([times, torch.full((extra,), 10**6, device=device)])
+    bias = bias_tables(16, 8, device)
+    out = kernel.hstu_attention(*grown, offsets, times, bias.position, bias.time, 16)
+    out.sum().backward()
+    assert out[-extra:].abs().max() == 0
+    assert all(t.grad[-extra:].abs().max() == 0 for t in grown)
+    alone = kernel.hstu_attention(q, k, v, offsets, times[:-extra], bias.position, bias.time, 16)
+    torch.testing.assert_close(out[:-extra], alone)  # and the real rows do not see them
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not compute bf16")
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):
+    lengths, heads, a, d, positions, buckets, max_len = CASES[case]
+    q, k, v, offsets, times, lengths_t = jagged_batch(lengths, heads, a, d, buckets, "cuda", torch.bfloat16)
+    bias = bias_tables(positions, buckets, "cuda")
+    grad = torch.randn(len(q), heads, d, device="cuda")
+    got = outputs_and_gradients(
+        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad)
+    upcast = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = outputs_and_gradients(lambda: reference(*upcast, lengths_t, times, bias), *upcast, bias, grad)
+    errors = relative_errors(got, expected)
+    assert max(errors.values()) < 1e-2, errors
+
+
+def test_bad_inputs_are_refused_with_the_shapes():
+    q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
+    bias = bias_tables(8, 8, "cpu")
+    with pytest.raises(ValueError, match=r"\[tokens, heads, dim\].*\(7, 2, 16\), \(6, 2, 16\)"):
+        kernel.hstu_attention(q, k[:6], v, offsets, times, bias.position, bias.time, 8)
+    with pytest.raises(ValueError, match="timestamps must be"):
+        kernel.hstu_attention(q, k, v, offsets, times[:3], bias.position, bias.time, 8)
