@@ -20,7 +20,7 @@ from lightning_hstu.callbacks.collectives import format_inventory
 from lightning_hstu.plan import EdgeKind
 from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.graphs import GraphedMethod
-from lightning_hstu.models.hstu import HSTURecommender
+from lightning_hstu.models.hstu import HSTURecommender, token_capacity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -133,7 +133,7 @@ def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
 
 
 class NeverCaptured(HSTURecommender):
-    """The fixed-length dense path of graph capture, always eager: what the graphs must reproduce."""
+    """The static-shape dense path of graph capture, always eager: what the graphs must reproduce."""
 
     def hstu_graphs(self):
         if self._graphed is None:
@@ -150,17 +150,18 @@ class GraphUse(Callback):
 @pytest.fixture(scope="module")
 def padded_eager():
     use = GraphUse()
-    weights = train("default_d6", NeverCaptured, callbacks=[use], capture_graphs=True)
+    weights = train("default_d6", NeverCaptured, callbacks=[use], capture_graphs=True, attention="padded")
     assert (use.replays, use.graphs) == (0, 0)
     return weights
 
 
 @pytest.mark.parametrize("preset", ["legacy_none", "default_d6", "full_split_d6"])
 def test_the_graph_captured_dense_part_trains_like_its_eager_self(preset, padded_eager):
-    """Captured after 3 eager steps (between two steps, by the engine), replayed for the other 5: the dense
-    forward and backward from the graphs, the embeddings eager and fed the graph's input gradient."""
+    """Padded attention: one shape, captured after 3 eager steps (between two steps, by the engine),
+    replayed for the other 5: the dense forward and backward from the graphs, the embeddings eager and fed
+    the graph's input gradient."""
     use = GraphUse()
-    assert_close_weights(train(preset, callbacks=[use], capture_graphs=True), padded_eager)
+    assert_close_weights(train(preset, callbacks=[use], capture_graphs=True, attention="padded"), padded_eager)
     assert (use.eager_calls, use.replays, use.graphs) == (3, STEPS - 3, 1)
 
 
@@ -168,7 +169,61 @@ def test_random_host_delays_change_nothing_with_graphs(padded_eager):
     class DelayedAndGraphed(DelayedTasks):
         pass
 
-    assert_close_weights(train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True), padded_eager)
+    assert_close_weights(train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True, attention="padded"),
+                         padded_eager)
+
+
+class FusedGraphs(HSTURecommender):
+    """Fused attention, each token capacity captured after its first (eager) call."""
+
+    warmup = 1
+
+    def hstu_graphs(self):
+        if self._graphed is None:
+            self._graphed = GraphedMethod(self.objectives, "losses", warmup=self.warmup, max_graphs=STEPS)
+        return {"forward": self._graphed}
+
+
+def training_capacities():
+    """The token capacity of each of the first STEPS training batches (one rank: no reshuffling)."""
+    data = SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8)
+    data.setup()
+    batches = [b for b, _ in zip(data.train_dataloader(), range(STEPS))]
+    return [token_capacity(int(b.sequence_lengths().sum()), 64 * 16) for b in batches]
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "full_split_d6"])
+def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(preset):
+    """Jagged inputs grown to a capacity (a few per power of two): one graph per capacity seen; a batch whose
+    capacity was captured replays it; the weights equal the eager run's."""
+    class FusedEager(FusedGraphs):
+        warmup = 10**9
+
+    eager_use, use = GraphUse(), GraphUse()
+    eager = train(preset, FusedEager, callbacks=[eager_use], capture_graphs=True, attention="fused")
+    graphed = train(preset, FusedGraphs, callbacks=[use], capture_graphs=True, attention="fused")
+    assert_close_weights(graphed, eager)
+    distinct = len(set(training_capacities()))
+    assert (use.eager_calls, use.replays, use.graphs) == (distinct, STEPS - distinct, distinct)
+    assert use.replays > 0 and eager_use.replays == 0
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_the_fused_attention_trains_like_the_padded_reference():
+    """fp32: the jagged layout and the Triton kernel against the padded plain-PyTorch attention, step by step."""
+    fused_losses, padded_losses = Losses(), Losses()
+    fused = train("default_d6", callbacks=[fused_losses], attention="fused")
+    padded = train("default_d6", callbacks=[padded_losses], attention="padded")
+    torch.testing.assert_close(torch.tensor(fused_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-5,
+                               atol=1e-6)
+    assert_close_weights(fused, padded)
 
 
 def test_the_trace_has_a_track_per_cuda_stream_and_consumers_start_after_their_producers(tmp_path):
@@ -213,7 +268,7 @@ def test_graph_capture_with_dropout_trains(padded_eager):
     """Dropout inside the captured graphs (fresh random masks on every replay): the run completes on the
     graphs, and the weights move away from the dropout-free run but stay finite."""
     use = GraphUse()
-    dense, sparse = train("default_d6", callbacks=[use], capture_graphs=True, dropout=0.1)
+    dense, sparse = train("default_d6", callbacks=[use], capture_graphs=True, dropout=0.1, attention="padded")
     assert (use.replays, use.graphs) == (STEPS - 3, 1)
     assert all(torch.isfinite(v).all() for v in [*dense.values(), *sparse.values()])
     assert any(not torch.allclose(v, padded_eager[0][k]) for k, v in dense.items())

@@ -40,19 +40,46 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _bias(i, j, ts_i, ts_j, position_table, time_table, num_positions, num_buckets, MASKED: tl.constexpr,
-          CLAMP: tl.constexpr):
-    """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket. In a tile off the diagonal
-    (not ``MASKED``) every distance i - j lies in [1, num_positions) unless ``CLAMP``: the position entries
-    are then read at addresses affine in i and j (immediate offsets, no per-pair address arithmetic)."""
+def _bucket(gap, num_buckets):
+    """floor(log2(1 + |gap|)) of seconds in float32, capped: the exponent of the float, exactly."""
+    seconds = tl.abs(gap.to(tl.float32)) + 1.0
+    return tl.minimum((seconds.to(tl.int32, bitcast=True) >> 23) - 127, num_buckets - 1)
+
+
+@triton.jit
+def _bucket_range(ts_i, i_ok, ts_j, j_ok, num_buckets):
+    """The lowest and highest time bucket of the pairs between the ``ts_i`` and ``ts_j`` that are ok. Far
+    from the diagonal a tile's gaps usually share one bucket (log2 buckets are wide there): the tile's time
+    bias is then one number."""
+    ti_min = tl.min(tl.where(i_ok, ts_i, 2**62))
+    ti_max = tl.max(tl.where(i_ok, ts_i, -2**62))
+    tj_min = tl.min(tl.where(j_ok, ts_j, 2**62))
+    tj_max = tl.max(tl.where(j_ok, ts_j, -2**62))
+    lowest = tl.maximum(tl.maximum(ti_min - tj_max, tj_min - ti_max), 0)
+    highest = tl.maximum(ti_max - tj_min, tj_max - ti_min)
+    return _bucket(lowest, num_buckets), _bucket(highest, num_buckets)
+
+
+@triton.jit
+def _bias(i, j, ts_i, ts_j, low, high, position_table, time_table, num_positions, num_buckets,
+          MASKED: tl.constexpr, CLAMP: tl.constexpr):
+    """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket (``low`` and ``high``:
+    the tile's bucket range). In a tile off the diagonal (not ``MASKED``) every distance i - j lies in
+    [1, num_positions) unless ``CLAMP``: the position entries are then read at addresses affine in i and j
+    (immediate offsets, no per-pair address arithmetic). Pairs with j > i are masked by the caller."""
     distance = i - j
     if CLAMP:
         distance = tl.minimum(tl.maximum(distance, 0), num_positions - 1)
     elif MASKED:
-        distance = tl.maximum(distance, 0)  # j > i: masked by the caller
-    seconds = tl.abs((ts_i - ts_j).to(tl.float32)) + 1.0
-    bucket = tl.minimum((seconds.to(tl.int32, bitcast=True) >> 23) - 127, num_buckets - 1)  # floor(log2): exact
-    return tl.load(position_table + distance) + tl.load(time_table + bucket), bucket
+        distance = tl.maximum(distance, 0)
+    position = tl.load(position_table + distance)
+    if low == high:  # one bucket for the whole tile
+        bias = position + tl.load(time_table + low)
+        bucket = tl.full(position.shape, 0, tl.int32) + low
+    else:
+        bucket = _bucket(ts_i - ts_j, num_buckets)
+        bias = position + tl.load(time_table + bucket)
+    return bias, bucket
 
 
 @triton.jit
@@ -103,8 +130,9 @@ def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, 
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
-    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], position_table, time_table,
-                    num_positions, num_buckets, MASKED, CLAMP)
+    low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
+    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
+                    time_table, num_positions, num_buckets, MASKED, CLAMP)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     p = s * _sigmoid(s, FAST)
     if MASKED:
@@ -158,8 +186,9 @@ def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_
     q_t = _columns(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)  # [A, M]
     do = _rows(dOut, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)  # [M, D], zero past the end
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
-    bias, bucket = _bias(rows[None, :], cols[:, None], ts_i[None, :], ts_j[:, None], position_table, time_table,
-                         num_positions, num_buckets, MASKED, CLAMP)
+    low, high = _bucket_range(ts_i, row_ok, ts_j, cols < n, num_buckets)
+    bias, bucket = _bias(rows[None, :], cols[:, None], ts_i[None, :], ts_j[:, None], low, high, position_table,
+                         time_table, num_positions, num_buckets, MASKED, CLAMP)
     s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
     sig = _sigmoid(s, FAST)
     p = s * sig
@@ -179,10 +208,12 @@ def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_
     distance = row - first + diagonal - (BLOCK_N - 1)
     tl.atomic_add(d_position + tl.minimum(distance, num_positions - 1), per_diagonal * inv_n,
                   mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1), sem="relaxed")
-    # time table: one sum per bucket present in the tile (a few, away from the diagonal)
-    present = row_ok[None, :] & (rows[None, :] >= cols[:, None]) if MASKED else row_ok[None, :]
-    for b in range(tl.min(tl.where(present, bucket, num_buckets)), tl.max(tl.where(present, bucket, -1)) + 1):
-        tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * inv_n, sem="relaxed")
+    # time table: one sum per bucket of the tile's range (usually one, away from the diagonal)
+    if low == high:
+        tl.atomic_add(d_time + low, tl.sum(ds) * inv_n, sem="relaxed")
+    else:
+        for b in range(low, high + 1):
+            tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * inv_n, sem="relaxed")
     return dk, dv
 
 
@@ -236,8 +267,9 @@ def _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
-    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], position_table, time_table,
-                    num_positions, num_buckets, MASKED, CLAMP)
+    low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
+    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
+                    time_table, num_positions, num_buckets, MASKED, CLAMP)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     sig = _sigmoid(s, FAST)
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
