@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from lightning_hstu.kernels import hstu_attention as kernel  # noqa: E402
 from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, RelativeBias, time_bucket, to_padded  # noqa: E402
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU: the interpreter (conftest.py)
 
 
 def jagged_batch(lengths, heads, attention_dim, hidden_dim, buckets, device, dtype=torch.float32, seed=0):
@@ -73,9 +73,13 @@ CASES = {  # lengths, heads, attention_dim, hidden_dim, position entries, bucket
 }
 
 
+@pytest.mark.parametrize("bias_grads", ["dq", "dkdv"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device):
+def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device, bias_grads, monkeypatch):
+    """Also with the bias gradients summed by either backward kernel (a launch setting)."""
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), "bias_grads": bias_grads})
     lengths, heads, a, d, positions, buckets, max_len = CASES[case]
     q, k, v, offsets, times, lengths_t = jagged_batch(lengths, heads, a, d, buckets, device)
     bias = bias_tables(positions, buckets, device)

@@ -13,8 +13,9 @@ layer). Sequences are given as rows ``offsets[b]:offsets[b + 1]`` of ``[N, heads
 of scores in registers and reads the bias tables (a few kB) where it needs them.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
-one program per block of keys walks the queries after it and accumulates dk, dv and the bias gradients;
-one program per block of queries walks the keys before it and accumulates dq. Both recompute the scores.
+one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
+of queries walks the keys before it and accumulates dq and the bias gradients (in the dk/dv kernel, whose
+two accumulators already fill the registers, they spilled). Both recompute the scores.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows, the time
 table's from a loop over the buckets present in the tile; each ends in a few atomic adds into fp32 sums.
@@ -175,11 +176,35 @@ def _hstu_fwd(Q, K, V, Out, offsets, timestamps, position_table, time_table,
 
 
 @triton.jit
+def _bias_grads(ds, bucket, low, high, base, d_position, d_time, scale, num_positions, KEYS_FIRST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+    """Adds a tile's score gradients ``ds`` to the bias tables' gradients: per position entry the sum over
+    a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), per time bucket the sum over
+    the pairs in it. ``ds`` is [keys, queries] if ``KEYS_FIRST`` else [queries, keys]."""
+    diagonal = tl.arange(0, SKEW)
+    if KEYS_FIRST:  # the query column of diagonal e in key row c: c + e - (BLOCK_N - 1)
+        skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)
+        skew_ok = (skew >= 0) & (skew < BLOCK_M)
+    else:  # the key column of diagonal e in query row r: r - e + (BLOCK_N - 1)
+        skew = tl.arange(0, BLOCK_M)[:, None] - diagonal[None, :] + (BLOCK_N - 1)
+        skew_ok = (skew >= 0) & (skew < BLOCK_N)
+    per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
+    distance = base + diagonal - (BLOCK_N - 1)
+    tl.atomic_add(d_position + tl.minimum(distance, num_positions - 1), per_diagonal * scale,
+                  mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1), sem="relaxed")
+    if low == high:  # one bucket for the whole tile (usual away from the diagonal)
+        tl.atomic_add(d_time + low, tl.sum(ds) * scale, sem="relaxed")
+    else:
+        for b in range(low, high + 1):
+            tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * scale, sem="relaxed")
+
+
+@triton.jit
 def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
                time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets,
                ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+               BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -200,20 +225,9 @@ def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_
         ds = tl.where(causal, ds, 0.0)
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
-    # position table: one sum per diagonal (i - j constant): a skewed gather lines the diagonals up as columns
-    diagonal = tl.arange(0, SKEW)
-    skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)  # the query column of each
-    skew_ok = (skew >= 0) & (skew < BLOCK_M)
-    per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
-    distance = row - first + diagonal - (BLOCK_N - 1)
-    tl.atomic_add(d_position + tl.minimum(distance, num_positions - 1), per_diagonal * inv_n,
-                  mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1), sem="relaxed")
-    # time table: one sum per bucket of the tile's range (usually one, away from the diagonal)
-    if low == high:
-        tl.atomic_add(d_time + low, tl.sum(ds) * inv_n, sem="relaxed")
-    else:
-        for b in range(low, high + 1):
-            tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * inv_n, sem="relaxed")
+    if BIAS_GRADS:
+        _bias_grads(ds, bucket, low, high, row - first, d_position, d_time, inv_n, num_positions, True, BLOCK_M,
+                    BLOCK_N, SKEW)
     return dk, dv
 
 
@@ -223,7 +237,7 @@ def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamp
                    stride_dkn, stride_dkh, stride_dvn, stride_dvh, num_positions, num_buckets,
                    ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+                   BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_N
@@ -245,11 +259,12 @@ def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamp
     for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
         dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
                             time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
-                            HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION, FAST, CLAMP, BLOCK_M, BLOCK_N, SKEW)
+                            HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N,
+                            SKEW)
     for row in range(unmasked, n, BLOCK_M):
         dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
                             time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
-                            HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION, FAST, CLAMP, BLOCK_M, BLOCK_N,
+                            HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N,
                             SKEW)
     _store_rows(dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM,
                 BLOCK_A)
@@ -258,33 +273,37 @@ def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamp
 
 
 @triton.jit
-def _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-             num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
+def _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n, inv_n,
+             stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-             FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+             FAST: tl.constexpr, CLAMP: tl.constexpr, BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
     cols = key + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
     low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
-    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
-                    time_table, num_positions, num_buckets, MASKED, CLAMP)
+    bias, bucket = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
+                         time_table, num_positions, num_buckets, MASKED, CLAMP)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     sig = _sigmoid(s, FAST)
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if MASKED:
         ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
+    if BIAS_GRADS:
+        _bias_grads(ds, bucket, low, high, first - key, d_position, d_time, inv_n, num_positions, False, BLOCK_M,
+                    BLOCK_N, SKEW)
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
 
 @triton.jit
-def _hstu_bwd_dq(Q, K, V, dOut, dQ, offsets, timestamps, position_table, time_table,
+def _hstu_bwd_dq(Q, K, V, dOut, dQ, d_position, d_time, offsets, timestamps, position_table, time_table,
                  stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
                  stride_dqn, stride_dqh, num_positions, num_buckets,
                  ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BIAS_GRADS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
     start, n = _sequence(offsets, seq)
@@ -300,15 +319,16 @@ def _hstu_bwd_dq(Q, K, V, dOut, dQ, offsets, timestamps, position_table, time_ta
     do = _rows(dOut + start * stride_don + head * stride_doh, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
     dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    inv_n = 1.0 / n.to(tl.float32)
     for key in range(0, first, BLOCK_N):
-        dq = _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-                      num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION,
-                      FAST, CLAMP, BLOCK_N)
+        dq = _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n,
+                      inv_n, stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A,
+                      BLOCK_D, False, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N, SKEW)
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
-        dq = _dq_tile(dq, q, do, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-                      num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION,
-                      FAST, CLAMP, BLOCK_N)
-    _store_rows(dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq / n.to(tl.float32),
+        dq = _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n,
+                      inv_n, stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A,
+                      BLOCK_D, True, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N, SKEW)
+    _store_rows(dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n,
                 ATTENTION_DIM, BLOCK_A)
 
 
@@ -318,17 +338,20 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     whose tiles take twice the shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
-        return {"fwd": tile, "dkdv": tile, "dq": tile}
+        return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
     if dtype == torch.float32:
         return {"fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 "dkdv": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-                "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+                "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2), "bias_grads": "dq"}
     return {"fwd": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-            "dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)}
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2), "bias_grads": "dq"}
 
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
+    if configs["bias_grads"] not in ("dkdv", "dq"):
+        raise ValueError(f"bias_grads must name the kernel that sums the bias gradients (dkdv or dq), got "
+                         f"{configs['bias_grads']!r}")
     for kind in ("fwd", "dq"):  # their unmasked key blocks end where the query block starts
         if configs[kind]["BLOCK_M"] % configs[kind]["BLOCK_N"]:
             raise ValueError(f"{kind}: BLOCK_N must divide BLOCK_M, got {configs[kind]}")
@@ -389,14 +412,15 @@ class _HSTUAttention(torch.autograd.Function):
         d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
         common = (offsets, timestamps, position, time, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                   v.stride(0), v.stride(1), do.stride(0), do.stride(1))
-        config = ctx.configs["dkdv"]
-        skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
-        _hstu_bwd_dkdv[_grid(ctx.max_len, config["BLOCK_N"], offsets, q.shape[1])](
-            q, k, v, do, dk, dv, d_position, d_time, *common,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), **ctx.sizes, **config, SKEW=skew)
-        config = ctx.configs["dq"]
-        _hstu_bwd_dq[_grid(ctx.max_len, config["BLOCK_M"], offsets, q.shape[1])](
-            q, k, v, do, dq, *common, dq.stride(0), dq.stride(1), **ctx.sizes, **config)
+        in_dq = ctx.configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
+        for kind, kernel, grid_block, outputs in (
+                ("dkdv", _hstu_bwd_dkdv, "BLOCK_N", (dk, dv)), ("dq", _hstu_bwd_dq, "BLOCK_M", (dq,))):
+            config = ctx.configs[kind]
+            skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
+            strides = [stride for t in outputs for stride in (t.stride(0), t.stride(1))]
+            kernel[_grid(ctx.max_len, config[grid_block], offsets, q.shape[1])](
+                q, k, v, do, *outputs, d_position, d_time, *common, *strides, **ctx.sizes, **config, SKEW=skew,
+                BIAS_GRADS=in_dq == (kind == "dq"))
         return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
 
 
