@@ -1,8 +1,9 @@
 """Settings under faults: a step timeout that is validated and applies under every preset (a stalled data
 loader included), strategy names and resumes that are refused with a message instead of running something
-else than asked."""
+else than asked, and a ``lightning-hstu fit`` that leaves the user's own files alone."""
 
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -152,3 +153,26 @@ def test_a_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
     assert "batch size 16" in message and "batch size 8" in message and "3 batches" in message
     # the same batch size resumes
     fit(HSTUPipelineStrategy("default_d6"), ckpt_path=str(tmp_path / "step=3.ckpt"), data_kwargs={"batch_size": 8})
+
+
+# ----- the command line ----------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "toy.yaml"
+QUIET_CLI = ["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def test_fit_leaves_the_users_own_config_yaml_alone(tmp_path, monkeypatch):
+    from lightning_hstu.cli import run_lightning_cli
+
+    monkeypatch.chdir(tmp_path)
+    mine = "# my settings, with comments\nmodel:\n  class_path: my.Model\n"
+    (tmp_path / "config.yaml").write_text(mine)
+    with_a_logger = ["--trainer.logger=CSVLogger", "--trainer.logger.save_dir=."]
+    for run, logger in enumerate([[], [], with_a_logger]):
+        cli = run_lightning_cli(["fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_default_d3", *logger,
+                                 *QUIET_CLI])
+        assert cli.trainer.global_step == 16
+        resolved = tmp_path / "lightning_logs" / f"version_{run}" / "config.yaml"
+        assert "strategy: hstu_default_d3" in resolved.read_text()  # each run's resolved config, kept apart
+    assert (tmp_path / "lightning_logs" / "version_2" / "metrics.csv").is_file()  # the logger's own directory
+    assert (tmp_path / "config.yaml").read_text() == mine
