@@ -181,14 +181,16 @@ class HSTUPipelineStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
-        sharded_checkpoint.save(checkpoint, filepath, self.is_global_zero)
+        save_id = self.broadcast(sharded_checkpoint.new_save_id())  # one id, and one staging directory, for all ranks
+        sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         connector = self.lightning_module.trainer._checkpoint_connector
-        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False))
+        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False),
+                                       weights_only)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
