@@ -161,7 +161,8 @@ def fake_wheel(directory: Path, inter: str = INTER) -> Path:
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("recbole/dataset_example/ml-100k/ml-100k.inter", inter)
         archive.writestr("recbole-1.2.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: recbole\nVersion: 1.2.1\n")
-        archive.writestr("recbole-1.2.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("recbole-1.2.1.dist-info/WHEEL",
+                         "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         archive.writestr("recbole-1.2.1.dist-info/RECORD", "")
     return wheel
 

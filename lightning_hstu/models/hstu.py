@@ -66,13 +66,13 @@ class HSTURecommender(pl.LightningModule):
         data = self.trainer.datamodule
         hp = self.hparams
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
-        num_actions = hp.num_actions or data.num_actions
-        check_table_sizes(dict(num_items=num_items, num_users=num_users, num_actions=num_actions),
+        check_table_sizes(dict(num_items=num_items, num_users=num_users,
+                               num_actions=hp.num_actions or data.num_actions),
                           dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions))
         self.num_items = num_items
         device = self.trainer.strategy.root_device
         self.embeddings = ShardedEmbeddings(
-            embedding_tables(hp.embedding_dim, num_items, num_users, num_actions), device,
+            embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
             cache_load_factor=hp.cache_load_factor)
         self.dense_grads = MegatronDenseGrads(self.objectives.to(device))
