@@ -4,8 +4,9 @@ demo (``demo``)."""
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from .plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+from .plan import GRAPH_TASKS, PRESET_NAMES, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -26,23 +27,53 @@ def main(argv: list[str] | None = None) -> int:
 def run_lightning_cli(argv: list[str] | None):
     """``lightning-hstu fit --config cfg.yaml``: Lightning's own CLI, with the strategy an ordinary argument
     (``--trainer.strategy=hstu_full_split_d6``, or ``class_path: lightning_hstu.HSTUPipelineStrategy``
-    with ``init_args: {preset: ...}``). Model and data are chosen by ``class_path`` in the config."""
+    with ``init_args: {preset: ...}``). Model and data are chosen by ``class_path`` in the config. The
+    resolved config goes under the run's log directory (``RunConfigCallback``)."""
     from lightning.pytorch.cli import LightningCLI
 
-    class HSTULightningCLI(LightningCLI):
-        def before_instantiate_classes(self) -> None:
-            config = self.config[self.subcommand] if self.subcommand else self.config
-            _check_strategy_name(config.trainer.strategy)
-
-    return HSTULightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
-                            save_config_kwargs={"overwrite": True})
+    return LightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
+                        save_config_callback=_run_config_callback())
 
 
-def _check_strategy_name(strategy) -> None:
-    # Lightning's own error for an unknown name lists every strategy it knows; name ours precisely.
-    if isinstance(strategy, str) and strategy.startswith("hstu_") and strategy[5:] not in PRESETS:
-        raise PlanError(f"unknown strategy {strategy!r}; the HSTU strategies are: "
-                        f"{', '.join('hstu_' + name for name in PRESET_NAMES)}")
+def _run_config_callback():
+    from lightning.pytorch.cli import SaveConfigCallback
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    class RunConfigCallback(SaveConfigCallback):
+        """Writes the resolved config into the run's own log directory: the logger's (``version_N``), or
+        without a logger a new ``<default_root_dir>/lightning_logs/version_N``. Never over an existing file:
+        a ``config.yaml`` in the working directory is the user's, and each run keeps its own."""
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            if self.already_saved:
+                return
+            log_dir = trainer.log_dir if trainer.loggers else None  # on every rank: it is a broadcast
+            if trainer.is_global_zero:
+                path = _unused(_run_dir(log_dir, trainer.default_root_dir) / self.config_filename)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.parser.save(self.config, str(path), skip_none=False, overwrite=False, multifile=self.multifile)
+                rank_zero_info(f"resolved config written to {path}")
+            self.already_saved = True
+
+    return RunConfigCallback
+
+
+def _run_dir(log_dir: str | None, default_root_dir: str) -> Path:
+    if log_dir is not None:
+        return Path(log_dir)
+    logs = Path(default_root_dir) / "lightning_logs"
+    taken = [int(p.name[8:]) for p in logs.glob("version_*") if p.name[8:].isdigit()]
+    return logs / f"version_{max(taken, default=-1) + 1}"
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``<stem>-v1<suffix>``, ``-v2``... if taken."""
+    version = 0
+    candidate = path
+    while candidate.exists():
+        version += 1
+        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
+    return candidate
 
 
 def _parser() -> argparse.ArgumentParser:

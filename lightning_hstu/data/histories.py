@@ -9,7 +9,7 @@ not embedded: ``time`` (one per event, seconds) and, for evaluation, ``target`` 
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..hstu.batch import HSTUBatch
+from ..hstu.batch import HSTUBatch, check_ids
 
 SPARSE_KEYS = ("item", "item_neg", "action", "user")
 
@@ -45,10 +45,15 @@ def leave_last_out(histories: Sequence[History], max_len: int):
 
 
 class Collate:
-    """Samples -> HSTUBatch, with ``negatives`` uniform item ids per sample (seeded, reproducible)."""
+    """Samples -> HSTUBatch, with ``negatives`` uniform item ids per sample (seeded, reproducible).
 
-    def __init__(self, num_items: int, negatives: int, seed: int, with_targets: bool = False):
+    ``rows``: each feature's table size; a batch with an id outside it raises ``IdError`` here, in the
+    loader, where checking costs no wait for a GPU."""
+
+    def __init__(self, num_items: int, negatives: int, seed: int, with_targets: bool = False,
+                 rows: Mapping[str, int] | None = None):
         self.num_items, self.negatives, self.with_targets = num_items, negatives, with_targets
+        self.rows = dict(rows or {})
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, samples: list) -> HSTUBatch:
@@ -67,6 +72,7 @@ class Collate:
             key_lengths.append([1] * len(samples))
         features = KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.cat(values), lengths=torch.tensor([n for ls in key_lengths for n in ls]))
+        check_ids(features, self.rows, lambda sample: f"user {histories[sample].user}")
         return HSTUBatch(features, sequence_keys=("item", "action", "time"))
 
 
@@ -111,6 +117,13 @@ class HistoryDataModule(pl.LightningDataModule):
     def load(self) -> list[History]:
         raise NotImplementedError
 
+    def table_rows(self) -> dict[str, int]:
+        """Each feature's embedding table size for this data: item and user ids count from 1 (0 means
+        none), actions from 0; the held-out ``target`` is an item."""
+        items = self.num_items + 1
+        return {"item": items, "item_neg": items, "target": items, "action": self.num_actions,
+                "user": self.num_users + 1}
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_histories:
             return
@@ -124,12 +137,14 @@ class HistoryDataModule(pl.LightningDataModule):
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
         return DataLoader(_ListDataset(self.train_histories), batch_size=self.batch_size, shuffle=True,
                           drop_last=True, generator=torch.Generator().manual_seed(self.seed),
-                          collate_fn=Collate(self.num_items, self.negatives, self.seed), num_workers=self.num_workers,
+                          collate_fn=Collate(self.num_items, self.negatives, self.seed, rows=self.table_rows()),
+                          num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available())  # pinned: the h2d copy can be asynchronous
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_ListDataset(self.evaluation), batch_size=self.batch_size,
-                          collate_fn=Collate(self.num_items, 1, self.seed + 1, with_targets=True))
+                          collate_fn=Collate(self.num_items, 1, self.seed + 1, with_targets=True,
+                                             rows=self.table_rows()))
 
     def baseline(self, k: int = 10) -> tuple[float, float]:
         return most_popular_metrics(self.train_histories, self.evaluation, k)

@@ -7,6 +7,8 @@ collectives, for the previous ticket holder. The first steps (the fill) and the 
 simply skip tasks whose batch does not exist, so every batch passes every task exactly once.
 """
 
+import math
+import numbers
 import queue
 import sys
 import threading
@@ -18,8 +20,8 @@ from time import monotonic, perf_counter
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from ..plan import LEGACY_THREAD, Plan, PlanTask, Stream
-from .errors import EngineError, StepTimeout, TaskError
+from ..plan import LEGACY_THREAD, Plan, PlanError, PlanTask, Stream
+from .errors import EngineError, LoaderTimeout, StepTimeout, TaskError
 from .records import StepResult, TaskRecord
 from .ring import SKIPPED, BatchView, Ring, RingEntry
 from .schedule import Body, ScheduledTask, schedule
@@ -27,6 +29,15 @@ from .streams import make_streams
 
 _POLL_S = 0.25
 """How often a waiting caller wakes to notice a KeyboardInterrupt or the step timeout."""
+
+
+def check_step_timeout(value: Any) -> float | None:
+    """``value`` as a step timeout in seconds (None: wait forever); anything else raises ``PlanError``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"step_timeout must be a positive number of seconds, or None to wait forever; got {value!r}")
+    return float(value)
 
 
 class _Signal:
@@ -154,6 +165,63 @@ class _Step:
             self._inboxes[thread].put(self)
 
 
+class _LoaderThread:
+    """Pulls the batches on an engine thread of its own while the caller waits with the step timeout: a
+    caller stuck inside the loader's ``next()`` could not time itself. One pull at a time, so the loader is
+    never used by two threads at once."""
+
+    def __init__(self, enter_thread: Callable[[], None]):
+        self._enter_thread = enter_thread
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="hstu-loader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._requests.put(None)
+
+    def pull(self, iterator: Iterator[Any], timeout: float, on_timeout: Callable[[str], BaseException]) -> Any:
+        """The next batch (``StopIteration`` at the end); the loader's own errors are raised as themselves."""
+        self._requests.put(iterator)
+        deadline = monotonic() + timeout
+        while True:
+            try:
+                ok, value = self._results.get(timeout=max(0.0, min(_POLL_S, deadline - monotonic())))
+                break
+            except queue.Empty:
+                if monotonic() >= deadline:
+                    raise on_timeout(_stack_of(self.thread)) from None
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        try:
+            self._enter_thread()  # pinned memory and the like go to this rank's device
+        except BaseException as exc:
+            setup_error: BaseException | None = exc
+        else:
+            setup_error = None
+        while (iterator := self._requests.get()) is not None:
+            if setup_error is not None:
+                self._results.put((False, EngineError(f"the loader thread could not enter its device: {setup_error}")))
+                continue
+            try:
+                self._results.put((True, next(iterator)))
+            except BaseException as exc:  # StopIteration included: the caller sees the end of data
+                self._results.put((False, exc))
+
+
+def _stack_of(thread: threading.Thread, depth: int = 6) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return ""
+    stack = "".join(traceback.format_stack(frame)[-depth:])
+    return "\n".join("      " + line for line in stack.rstrip().splitlines())
+
+
 class TaskObserver(Protocol):
     """Called on the thread that runs each task, right around its body and inside its CUDA stream (NVTX
     ranges, profilers, CUDA events). ``task_ended`` is called also when the body raised."""
@@ -179,8 +247,10 @@ class Engine:
     ``bodies`` maps every task to ``body(batch) -> None`` (``batch`` is a ``BatchView``: its slots and
     index) or to None when the task has nothing to do. ``device``: a CUDA device makes every task run on
     its plan stream with per-(task, batch) events; None or a CPU device runs on the host alone.
-    ``step_timeout``: seconds after which a step that has not finished is reported and aborted (threaded
-    plans only: a legacy plan runs on the caller's thread, which cannot watch itself). ``observers``:
+    ``step_timeout``: seconds after which a step that has not finished, or a batch the loader has not
+    given, is reported and aborted; None waits forever. A thread cannot time itself, so with a timeout the
+    batches are pulled on an engine thread (``hstu-loader``) and a legacy plan's tasks run on one engine
+    thread (``hstu-main``) while the caller watches; without one, both run on the caller's thread. ``observers``:
     ``TaskObserver``s called around every task body, on the thread that runs it. ``graphs``: task ->
     ``TaskGraphs`` for tasks the plan marks capturable; between two steps, while no task runs, the engine
     captures what they have pending, on the task's stream (a capture records the work of every stream of
@@ -200,7 +270,7 @@ class Engine:
         self.captured: list[tuple[str, str]] = []
         """(task, what) for every capture so far."""
         self._observers = tuple(observers)
-        self.step_timeout = step_timeout
+        self.step_timeout = check_step_timeout(step_timeout)
         self._program = schedule(plan, bodies)
         self._lookahead = {t.name: t.lookahead for t in plan.tasks}
         self._thread_of = {t.name: t.thread for t in plan.tasks}
@@ -208,6 +278,7 @@ class Engine:
         self._streams = make_streams(device)
         self._join_timeout = join_timeout
         self._workers: dict[str, threading.Thread] = {}
+        self._loader: _LoaderThread | None = None
         self._inboxes: dict[str, queue.SimpleQueue] = {}
         self._activity: dict[str, tuple] = {}
         self._host_waits = {s.task.name: s.host_waits for tasks in self._program.values() for s in tasks}
@@ -221,7 +292,10 @@ class Engine:
         if self._state != "new":
             raise EngineError(f"engine already {self._state}; an engine starts once")
         self._state = "running"
-        if not self.plan.legacy:
+        if self.step_timeout is not None:
+            self._loader = _LoaderThread(self._streams.enter_thread)
+            self._loader.start()
+        if not self.plan.legacy or self.step_timeout is not None:
             for thread in self.plan.threads:
                 inbox: queue.SimpleQueue = queue.SimpleQueue()
                 worker = threading.Thread(target=self._worker, args=(thread, inbox),
@@ -238,10 +312,14 @@ class Engine:
         self._state = "closed"
         for inbox in self._inboxes.values():
             inbox.put(None)
+        threads = dict(self._workers)
+        if self._loader is not None:
+            self._loader.stop()
+            threads["loader"] = self._loader.thread
         deadline = monotonic() + self._join_timeout
-        for worker in self._workers.values():
+        for worker in threads.values():
             worker.join(max(0.0, deadline - monotonic()))
-        stuck = [name for name, worker in self._workers.items() if worker.is_alive()]
+        stuck = [name for name, worker in threads.items() if worker.is_alive()]
         if stuck:
             warnings.warn(f"engine threads {stuck} did not stop within {self._join_timeout:g} s "
                           f"(a task body is still running)", RuntimeWarning, stacklevel=2)
@@ -263,7 +341,7 @@ class Engine:
         return [record for result in self.steps(batches) for record in result.records]
 
     def steps(self, batches: Iterable[Any], before_step: Callable[[int], bool] | None = None, *,
-              start: int = 0) -> Iterator[StepResult]:
+              start: int = 0, source: str | None = None) -> Iterator[StepResult]:
         """Run step by step, yielding after each step barrier (no task of the engine is running then).
 
         The batches are numbered from ``start`` (a run that resumes an epoch numbers its batches as the
@@ -272,18 +350,21 @@ class Engine:
         ``before_step(k)`` runs on the caller's thread once step ``k``'s batch is in the ring and before
         any of its tasks start (``slots(k)`` shows that batch then); returning False ends the run there.
         Stopping early (``max_steps``) leaves the engine usable; the batches already pulled into the ring
-        are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout``.
+        are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout`` (``LoaderTimeout``
+        when the loader gave no batch in time; ``source`` names the loader there, by default the iterable's
+        type or generator).
         """
         if self._state != "running":
             raise EngineError(f"engine is {self._state}; call start() (or use it as a context manager)")
         iterator = iter(batches)
+        source = source or _describe_source(batches)
         self._ring = ring = Ring(self.plan.depth)
         limit: int | None = None  # the end of the batch numbers, once the iterator is exhausted
         index = start - (self.plan.depth - 1)  # the fill: steps before the first batch reaches lookahead 0
         try:
             while True:
                 if limit is None:
-                    limit = self._pull(iterator, ring, index + self.plan.depth - 1)
+                    limit = self._pull(iterator, ring, index + self.plan.depth - 1, index, source)
                 if limit is not None and index >= limit:
                     return
                 if before_step is not None and not before_step(index):
@@ -319,11 +400,14 @@ class Engine:
             raise EngineError("no run in progress")
         return MappingProxyType(self._ring.get(index).slots)
 
-    @staticmethod
-    def _pull(iterator: Iterator[Any], ring: Ring, index: int) -> int | None:
+    def _pull(self, iterator: Iterator[Any], ring: Ring, index: int, step: int, source: str) -> int | None:
         """Put batch ``index`` into the ring; return the batch count once the iterator is exhausted."""
         try:
-            batch = next(iterator)
+            if self._loader is None:
+                batch = next(iterator)
+            else:
+                batch = self._loader.pull(iterator, self.step_timeout, lambda stack: LoaderTimeout(
+                    step, index, self.step_timeout, source, {"loader": f"pulling batch {index}\n{stack}"}))
         except StopIteration:
             return index
         ring.put(index, batch)
@@ -364,7 +448,7 @@ class Engine:
         return _StepShape(threads, signalled, ticket_prev, gates, opens)
 
     def _dispatch(self, step: _Step) -> None:
-        if self.plan.legacy:
+        if not self._workers:  # a legacy plan without a timeout: the caller runs it
             self._run_tasks(LEGACY_THREAD, step)
             return
         step.dispatch()
@@ -493,12 +577,15 @@ class Engine:
                 task, producers = gate
                 activity = ("waiting for", "', '".join(producers), task, step.index + self._lookahead[task])
             text = _format_activity(activity)
-            frame = frames.get(worker.ident)
-            if activity[0] != "idle" and frame is not None:
-                stack = "".join(traceback.format_stack(frame)[-6:])
-                text += "\n" + "\n".join("      " + line for line in stack.rstrip().splitlines())
+            if activity[0] != "idle" and worker.ident in frames:
+                text += "\n" + _stack_of(worker)
             report[thread] = text
         return report
+
+
+def _describe_source(batches: Iterable[Any]) -> str:
+    name = getattr(batches, "__qualname__", None)  # a generator: its function
+    return f"generator {name}" if name else type(batches).__name__
 
 
 def _format_activity(activity: tuple) -> str:

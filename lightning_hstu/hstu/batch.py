@@ -1,6 +1,7 @@
-"""A batch of user histories for HSTU, as TorchRec wants it: one KeyedJaggedTensor."""
+"""A batch of user histories for HSTU, as TorchRec wants it: one KeyedJaggedTensor; and the check that its
+ids fit their embedding tables."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,3 +69,41 @@ def _gather_jagged(values: torch.Tensor, lengths: torch.Tensor, samples: torch.T
     first_of_segment = torch.cumsum(picked_lengths, 0) - picked_lengths
     position = starts[samples][segment] + torch.arange(len(segment), device=values.device) - first_of_segment[segment]
     return values[position], picked_lengths
+
+
+class IdError(ValueError):
+    """An id outside its embedding table (negative, or not below the table's row count). fbgemm would look
+    it up as row 0 and train on."""
+
+
+def check_ids(features: KeyedJaggedTensor, rows: Mapping[str, int],
+              sample_name: Callable[[int], str] = lambda sample: f"sample {sample}") -> None:
+    """Raise ``IdError`` for the first id of a feature named in ``rows`` (feature -> its table's row count)
+    that is outside ``0 .. rows - 1``, naming the feature, the id, the sample and the table size.
+
+    For batches in host memory (the loader's, or a CPU lookup's): on a GPU the check would wait for it.
+    """
+    keys = features.keys()
+    per_key = features.values().split(features.length_per_key())
+    lengths = features.lengths().view(len(keys), -1)
+    for k, key in enumerate(keys):
+        size = rows.get(key)
+        if size is None or per_key[k].numel() == 0:
+            continue
+        outside = (per_key[k] < 0) | (per_key[k] >= size)
+        if not bool(outside.any()):
+            continue
+        position = int(outside.nonzero()[0])
+        sample = int(torch.searchsorted(torch.cumsum(lengths[k], 0), position, right=True))
+        raise IdError(f"feature '{key}' has id {int(per_key[k][position])} ({sample_name(sample)}), outside its "
+                      f"embedding table of {size} rows (valid ids: 0 to {size - 1})")
+
+
+def check_table_sizes(model: Mapping[str, int], data: Mapping[str, int]) -> None:
+    """Refuse model settings (``num_items``, ...) that make a table smaller than the data's ids need;
+    ``model`` and ``data`` map each setting to the model's and the data's value."""
+    for name, size in model.items():
+        if size < data[name]:
+            raise IdError(f"{name}={size} is smaller than the data's {name} ({data[name]}): its largest ids would "
+                          f"fall outside the embedding table; set {name} to at least {data[name]}, or leave it "
+                          f"unset to take the data's")

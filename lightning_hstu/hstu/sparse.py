@@ -17,9 +17,11 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingType
+from torchrec.distributed.types import BoundsCheckMode, CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from .batch import check_ids
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ShardedEmbeddings(torch.nn.Module):
             collection, device=device, plan=plan, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
             init_data_parallel=False)  # dense gradients are megatron-core's business, not torch DDP's
         self._register_load_state_dict_pre_hook(_unwrapped_keys_to_wrapped)
+        self.rows = {feature: t.num_embeddings for t in tables for feature in t.feature_names}
+        """Each feature's table size: ids must be in ``0 .. rows - 1``."""
         self._prefetched = 0  # batches prefetched whose lookup has not run yet
         self._prefetched_lock = threading.Lock()  # prefetch and lookup run on different engine threads
 
@@ -82,15 +86,25 @@ class ShardedEmbeddings(torch.nn.Module):
                                f"training batch(es) wait for theirs: the embedding cache would give it their "
                                f"rows. With cache_load_factor set, validate at the end of an epoch "
                                f"(val_check_interval=1.0), or use cache_load_factor=None")
+        self._check_ids(features)
         return self.model_parallel(features)
 
     def start_input_dist(self, features: KeyedJaggedTensor) -> InputDist:
+        self._check_ids(features)
         context = self.sharded.create_context()
         return InputDist(context, self.sharded.input_dist(context, features))
 
     def wait_input_dist(self, started: InputDist) -> InputDist:
         # The first wait is the splits all-to-all (it blocks the host), the second the ids all-to-all.
         return InputDist(started.context, started.pending.wait().wait())
+
+    def _check_ids(self, features: KeyedJaggedTensor) -> None:
+        # Ids in host memory are checked here, with the feature and table named. On a GPU that check would
+        # wait for the device every step: there fbgemm's own bounds check stops at a bad id (FATAL, set
+        # in _constraints) instead of looking up row 0, and data modules check their batches as they
+        # build them (HistoryDataModule does).
+        if features.values().device.type == "cpu":
+            check_ids(features, self.rows)
 
     @property
     def needs_prefetch(self) -> bool:
@@ -113,13 +127,16 @@ class ShardedEmbeddings(torch.nn.Module):
 
 
 def _constraints(sharding_type: ShardingType, cache_load_factor: float | None) -> ParameterConstraints:
+    # FATAL: an id outside its table raises (CPU) or asserts on the device (CUDA); fbgemm's default
+    # (WARNING) logs one line and looks the id up as row 0, so training goes on with wrong data.
     if cache_load_factor is None:
-        return ParameterConstraints(sharding_types=[sharding_type.value])
+        return ParameterConstraints(sharding_types=[sharding_type.value], bounds_check_mode=BoundsCheckMode.FATAL)
     # prefetch_pipeline: fbgemm keeps the rows of prefetched batches locked in the cache until their
     # backward, so the prefetch of the next batch may run before this one's backward.
     return ParameterConstraints(sharding_types=[sharding_type.value],
                                 compute_kernels=[EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
-                                cache_params=CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True))
+                                cache_params=CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True),
+                                bounds_check_mode=BoundsCheckMode.FATAL)
 
 
 def _unwrapped_keys_to_wrapped(state_dict, prefix, *args) -> None:

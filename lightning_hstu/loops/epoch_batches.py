@@ -38,6 +38,16 @@ class EpochBatches:
     def stateful(self) -> bool:
         return self._stateful
 
+    def batch_sizes(self) -> list[int | None]:
+        """Each train loader's batch size (None where a batch sampler decides it)."""
+        return [getattr(loader, "batch_size", None) for loader in self._fetcher.combined_loader.flattened]
+
+    def describe(self) -> str:
+        """The loaders, named for a report: ``train dataloader (DataLoader of MyDataset)``."""
+        loaders = [f"{type(loader).__name__} of {type(getattr(loader, 'dataset', None)).__name__}"
+                   for loader in self._fetcher.combined_loader.flattened]
+        return f"train dataloader ({', '.join(loaders)})"
+
     def skip(self, batches: int) -> None:
         """Fast-forward a loader without state past the batches trained before a mid-epoch resume."""
         for skipped in range(batches):

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from ..engine import Engine, StepResult
 from .epoch_batches import EpochBatches
+from .errors import CheckpointError
 from .lightning_tasks import LightningTasks, TrainBatch
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._tasks = LightningTasks(trainer)
         self._engine: Engine | None = None
         self._batches: EpochBatches | None = None
+        self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
 
     # ----- the epoch -------------------------------------------------------------------------------
 
@@ -53,6 +55,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._batches = EpochBatches(data_fetcher, start=start, stop=self.trainer.num_training_batches,
                                      keep_states=self._strategy.plan.depth + 2,
                                      all_ranks_have=self._strategy.all_ranks)
+        if start:
+            self._check_batch_sizes(start)
         if start and not self._batches.stateful:
             # on_run_start already counted them (as for a stateful loader); uncount them before skipping,
             # or the fetcher would count them twice and declare the epoch over early
@@ -60,7 +64,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
             self._batches.skip(start)
         engine = self._start_engine()
         try:
-            with contextlib.closing(engine.steps(self._batches, self._before_step, start=start)) as steps:
+            with contextlib.closing(engine.steps(self._batches, self._before_step, start=start,
+                                                 source=self._batches.describe())) as steps:
                 for result in steps:
                     self._strategy.step_records.extend(result.records)
                     if result.batch is None:
@@ -75,6 +80,19 @@ class EngineEpochLoop(_TrainingEpochLoop):
         finally:
             self._batches = None
             self._tasks.current = None
+
+    def _check_batch_sizes(self, start: int) -> None:
+        """A mid-epoch resume skips the batches the checkpoint had trained, counted in batches: with
+        another batch size that would skip other samples than those trained."""
+        saved, current = self._saved_batch_sizes, self._batches.batch_sizes()
+        self._saved_batch_sizes = None  # only the epoch the checkpoint was saved in
+        if saved is None or saved == current:
+            return
+        raise CheckpointError(
+            f"the checkpoint was saved {start} batches into an epoch, with train dataloader batch size "
+            f"{_sizes(saved)}; this run's train dataloader has batch size {_sizes(current)}: resuming there would "
+            f"skip other samples than the {start} batches trained. Resume with batch size {_sizes(saved)} (it "
+            f"can change at an epoch boundary)")
 
     def _resume_validation(self, data_fetcher: _DataFetcher) -> bool:
         """What Lightning's ``advance`` does first when restarting from a checkpoint saved around validation."""
@@ -169,6 +187,18 @@ class EngineEpochLoop(_TrainingEpochLoop):
             return None
         return self._engine.slots(self._tasks.current.batch_idx)
 
+    @override
+    def on_save_checkpoint(self) -> dict:
+        state = super().on_save_checkpoint()
+        if self._batches is not None:  # mid-epoch: a resume skips what was trained, counted in batches
+            state["hstu_batch_sizes"] = self._batches.batch_sizes()
+        return state
+
+    @override
+    def on_load_checkpoint(self, state_dict: dict) -> None:
+        super().on_load_checkpoint(state_dict)
+        self._saved_batch_sizes = state_dict.get("hstu_batch_sizes")
+
     def loader_state_to_save(self) -> list[dict[str, Any]] | None:
         """During an epoch: the loader state from before the oldest batch not yet trained."""
         if self._batches is None or not self._batches.stateful:
@@ -209,6 +239,10 @@ def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> None:
     epoch_loop.val_loop = old.epoch_loop.val_loop
     loop.epoch_loop = epoch_loop
     trainer.fit_loop = loop
+
+
+def _sizes(sizes: list[int | None]) -> str:
+    return ", ".join(str(size) for size in sizes)
 
 
 __all__ = ["EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]

@@ -25,7 +25,7 @@ from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..engine import SKIPPED, BatchView
-from ..hstu.batch import HSTUBatch
+from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedMethod
 from ..hstu.loop import dense_losses, global_token_scale, global_tokens, sparse_features
@@ -78,6 +78,9 @@ class HSTURecommender(pl.LightningModule):
         data = self.trainer.datamodule
         hp = self.hparams
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
+        check_table_sizes(dict(num_items=num_items, num_users=num_users,
+                               num_actions=hp.num_actions or data.num_actions),
+                          dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions))
         self.num_items = num_items
         device = self.trainer.strategy.root_device
         if self.objectives.fused(device):

@@ -11,7 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ..engine import Engine, TaskObserver, TaskRecord
+from ..engine import Engine, TaskObserver, TaskRecord, check_step_timeout
 from ..plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
 from . import sharded_checkpoint
 
@@ -29,6 +29,35 @@ def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookah
                      thread_map if thread_map is not None else preset_map, prefetch, capturable=capturable)
 
 
+def unknown_strategy_error(name: str) -> PlanError:
+    return PlanError(f"unknown strategy {name!r}; the HSTU strategies are: "
+                     f"{', '.join('hstu_' + preset for preset in PRESET_NAMES)}")
+
+
+class _NamesWithHSTUPrefix(list):
+    """Registered strategy names that also "contain" every ``hstu_<name>``, so that Lightning's name check
+    lets an unknown one through to the registry's ``get``, which says what is valid."""
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or (isinstance(name, str) and name.startswith("hstu_"))
+
+
+class _RegistryNamingHSTUPresets(_StrategyRegistry):
+    """Lightning's strategy registry, except that an unknown ``hstu_<name>`` raises ``PlanError`` listing
+    the nine presets. Lightning (2.6) checks a strategy name against ``available_strategies()`` in
+    ``Trainer(...)`` and raises a generic error that lists no preset; every other name behaves as before."""
+
+    @override
+    def available_strategies(self) -> list:
+        return _NamesWithHSTUPrefix(super().available_strategies())
+
+    @override
+    def get(self, name: str, default: Any = None) -> Any:
+        if isinstance(name, str) and name.startswith("hstu_") and name not in self.keys():
+            raise unknown_strategy_error(name)
+        return super().get(name, default)
+
+
 class HSTUPipelineStrategy(DDPStrategy):
     """Trains with the lookahead-ring threaded engine under one of the nine presets (or a custom plan).
 
@@ -43,11 +72,13 @@ class HSTUPipelineStrategy(DDPStrategy):
         engine: False trains with Lightning's own loop instead (everything else unchanged: the process
             groups, no torch DDP around a module that finalises its own gradients, sharded checkpoints):
             the unpipelined baseline of the same module, for comparisons.
-        step_timeout: seconds after which a step that has not finished is reported (with what every
-            engine thread was doing) and training stops; None waits forever.
+        step_timeout: seconds after which a step that has not finished, or a batch the train dataloader
+            has not given, is reported (with what every engine thread was doing) and training stops; None
+            waits forever. Under every preset, ``legacy_none`` included.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
 
-    A bad preset, thread map or lookahead raises ``PlanError`` here, i.e. at ``Trainer(...)``.
+    A bad preset, thread map, lookahead or step_timeout raises ``PlanError`` here, i.e. at ``Trainer(...)``;
+    so does an unknown ``strategy="hstu_<name>"``.
     """
 
     strategy_name = "hstu_pipeline"
@@ -65,7 +96,7 @@ class HSTUPipelineStrategy(DDPStrategy):
             raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
                             "on_train_batch_start hooks receive the training batch before its step runs")
         self.preset = preset
-        self.step_timeout = step_timeout
+        self.step_timeout = check_step_timeout(step_timeout)
         self.step_records: list[TaskRecord] = []
         """Task records of the engine steps since the previous ``on_train_batch_end`` (for callbacks)."""
         self.engine_observers: list[TaskObserver] = []
@@ -79,6 +110,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         for preset in PRESET_NAMES:
             strategy_registry.register(f"hstu_{preset}", cls, description=f"HSTU engine, preset {preset}",
                                        preset=preset)
+        if type(strategy_registry) is _StrategyRegistry:
+            strategy_registry.__class__ = _RegistryNamingHSTUPresets
 
     @override
     def setup(self, trainer) -> None:
@@ -148,14 +181,16 @@ class HSTUPipelineStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
-        sharded_checkpoint.save(checkpoint, filepath, self.is_global_zero)
+        save_id = self.broadcast(sharded_checkpoint.new_save_id())  # one id, and one staging directory, for all ranks
+        sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         connector = self.lightning_module.trainer._checkpoint_connector
-        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False))
+        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False),
+                                       weights_only)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

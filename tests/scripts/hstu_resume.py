@@ -2,12 +2,16 @@
 test_hstu_checkpoint.py.
 
     python hstu_resume.py OUT_DIR MAX_STEPS [--save-every N] [--keep K] [--resume CKPT] [--devices N]
+                          [--fail-lightning-file NAME | --kill-in-lightning-file NAME]
 
 Each rank saves its dense weights, its shards of the embedding tables and of the fused optimizer's state,
-and the losses of the steps it trained to OUT_DIR/rank<R>.pt.
+and the losses of the steps it trained to OUT_DIR/rank<R>.pt. ``--fail-lightning-file NAME`` makes rank 0's
+write of ``lightning.pt`` in the save of checkpoint NAME raise (a full disk); ``--kill-in-lightning-file``
+ends the process there instead, half the file written (a killed job).
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +47,21 @@ def shards(state: dict) -> dict:
     return out
 
 
+def inject_into_lightning_file(name: str, kill: bool) -> None:
+    save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        if not (str(f).endswith("lightning.pt") and f".{name}." in str(f)):
+            return save(obj, f, *args, **kwargs)
+        save(obj, f, *args, **kwargs)
+        Path(f).write_bytes(Path(f).read_bytes()[: os.path.getsize(f) // 2])
+        if kill:
+            os._exit(9)
+        raise OSError("no space left on device (injected)")
+
+    torch.save = failing_save
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -51,7 +70,12 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=-1, help="ModelCheckpoint's save_top_k")
     parser.add_argument("--resume")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--fail-lightning-file")
+    parser.add_argument("--kill-in-lightning-file")
     args = parser.parse_args()
+    if args.fail_lightning_file or args.kill_in_lightning_file:
+        inject_into_lightning_file(args.fail_lightning_file or args.kill_in_lightning_file,
+                                   kill=bool(args.kill_in_lightning_file))
     pl.seed_everything(0, verbose=False)
     model = HSTURecommender(**SMALL_MODEL)
     recorder = Losses()

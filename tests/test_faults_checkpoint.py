@@ -1,0 +1,241 @@
+"""Sharded checkpoints under faults: no code from a checkpoint runs unless the caller trusts it
+(``weights_only=False``), a save that fails at any stage leaves the previous checkpoints whole and
+loadable (and resuming from them equals the run that never failed), and a directory that mixes two saves
+is refused. The HSTU recommender on one process (its tables are sharded, so its checkpoints are
+directories); tests/test_hstu_checkpoint.py has the two-rank ones."""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ranks import launch_env
+from small_hstu import SMALL_MODEL, small_data
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.loops import CheckpointError
+from lightning_hstu.models.hstu import HSTURecommender
+from lightning_hstu.strategies import sharded_checkpoint
+
+SCRIPT = Path(__file__).parent / "scripts" / "hstu_resume.py"
+
+
+def fit_hstu(max_steps: int, dirpath: Path | None = None, ckpt_path: Path | None = None, weights_only=None,
+             keep: int = 1):
+    """The small HSTU model trained to ``max_steps``; with ``dirpath``, a checkpoint every three steps (the
+    newest ``keep`` kept, and ``last.ckpt``). Returns the trained model."""
+    pl.seed_everything(0, verbose=False)
+    model = HSTURecommender(**SMALL_MODEL)
+    callbacks = [] if dirpath is None else [
+        ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=keep, save_last=True, filename="{step}")]
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=1,
+                         max_steps=max_steps, logger=False, enable_checkpointing=dirpath is not None,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(model, small_data(), ckpt_path=None if ckpt_path is None else str(ckpt_path),
+                weights_only=weights_only)
+    return model
+
+
+def trained_state(model) -> dict[str, torch.Tensor]:
+    """Every weight and the fused sparse optimizer's state, as plain tensors (the local shards)."""
+    state = {**model.state_dict(), **{f"sparse.{k}": v for k, v in
+                                      _flat(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])}}
+    return {name: (value.local_shards()[0].tensor if hasattr(value, "local_shards") else value).clone()
+            for name, value in state.items() if hasattr(value, "local_shards") or isinstance(value, torch.Tensor)}
+
+
+def _flat(state: dict, prefix: str = ""):
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def saved_step(checkpoint: Path) -> int:
+    return torch.load(checkpoint / "lightning.pt", weights_only=True)["global_step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run that never failed: its checkpoints (step 3 and 6, and last) and its trained state."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return out, trained_state(fit_hstu(6, dirpath=out, keep=-1))
+
+
+# ----- no code from a checkpoint unless asked ---------------------------------------------------------------
+
+def leave_marker(path: str) -> None:
+    """What hostile code in a checkpoint would run (here: it only writes a file)."""
+    Path(path).write_text("code from a checkpoint ran")
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return leave_marker, (self.marker,)
+
+
+def plant_in_lightning_file(checkpoint: Path, marker: Path) -> None:
+    state = torch.load(checkpoint / "lightning.pt", weights_only=False)
+    state["hyper_parameters"]["note"] = Payload(marker)
+    torch.save(state, checkpoint / "lightning.pt")
+
+
+def plant_in_shard_metadata(checkpoint: Path, marker: Path) -> None:
+    with open(checkpoint / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    metadata.storage_meta.modules = [Payload(marker)]
+    with open(checkpoint / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+
+
+@pytest.mark.parametrize("plant", [plant_in_lightning_file, plant_in_shard_metadata])
+@pytest.mark.parametrize("weights_only", [True, None])  # None: the default
+def test_code_planted_in_a_checkpoint_does_not_run(uninterrupted, tmp_path, plant, weights_only):
+    out, _ = uninterrupted
+    checkpoint, marker = tmp_path / "copied.ckpt", tmp_path / "marker"
+    shutil.copytree(out / "step=6.ckpt", checkpoint)
+    plant(checkpoint, marker)
+    with pytest.raises(CheckpointError) as info:
+        fit_hstu(6, ckpt_path=checkpoint, weights_only=weights_only)
+    assert not marker.exists()
+    message = str(info.value)
+    assert "leave_marker" in message and "weights_only=False" in message  # what was refused, and the way out
+
+
+def test_weights_only_false_is_the_callers_trust(uninterrupted, tmp_path):
+    out, expected = uninterrupted
+    checkpoint, marker = tmp_path / "copied.ckpt", tmp_path / "marker"
+    shutil.copytree(out / "step=3.ckpt", checkpoint)
+    plant_in_lightning_file(checkpoint, marker)
+    resumed = fit_hstu(6, ckpt_path=checkpoint, weights_only=False)
+    assert marker.exists()  # asked for: the checkpoint's code ran
+    assert_same_state(trained_state(resumed), expected)
+
+
+def test_a_non_tensor_shard_entry_is_read_weights_only(tmp_path):
+    marker = tmp_path / "marker"
+    dcp.save({"plain": torch.ones(2), "note": Payload(marker)}, checkpoint_id=tmp_path / "shards", no_dist=True)
+    state = {"plain": torch.zeros(2), "note": None}
+    with pytest.raises(CheckpointError, match="leave_marker"):
+        sharded_checkpoint.load_shards(state, tmp_path / "shards", safe=True)
+    assert not marker.exists()
+    sharded_checkpoint.load_shards(state, tmp_path / "shards", safe=False)  # trusted: DCP's own reader
+    assert marker.exists() and torch.equal(state["plain"], torch.ones(2))
+
+
+# ----- atomic saves ----------------------------------------------------------------------------------------
+
+class Injected(OSError):
+    pass
+
+
+def fail_on(target: str, nth: int, monkeypatch, stage: str) -> None:
+    """Make the ``nth`` save of the checkpoint named ``target`` fail at ``stage``: while DCP writes the
+    shards (before its metadata), while ``lightning.pt`` is written (half of it on disk), or once everything
+    is written, before the directory is renamed into place."""
+    seen = {"calls": 0}
+
+    def hit(path) -> bool:
+        if target not in str(path):
+            return False
+        seen["calls"] += 1
+        return seen["calls"] == nth
+
+    if stage == "shards":
+        writer = dcp.FileSystemWriter
+        finish = writer.finish
+
+        def failing_finish(self, *args, **kwargs):
+            if hit(self.path):
+                raise Injected("no space left on device (injected, DCP save)")
+            return finish(self, *args, **kwargs)
+        monkeypatch.setattr(writer, "finish", failing_finish)
+    elif stage == "lightning.pt":
+        save = torch.save
+
+        def failing_save(obj, f, *args, **kwargs):
+            if str(f).endswith("lightning.pt") and hit(f):
+                save(obj, f, *args, **kwargs)
+                Path(f).write_bytes(Path(f).read_bytes()[: os.path.getsize(f) // 2])
+                raise Injected("no space left on device (injected, lightning.pt)")
+            return save(obj, f, *args, **kwargs)
+        monkeypatch.setattr(torch, "save", failing_save)
+    else:
+        move = sharded_checkpoint._move_into_place
+
+        def failing_move(staging, final):
+            if hit(staging):
+                raise Injected("interrupted before the rename (injected)")
+            return move(staging, final)
+        monkeypatch.setattr(sharded_checkpoint, "_move_into_place", failing_move)
+
+
+@pytest.mark.parametrize("stage", ["shards", "lightning.pt", "rename"])
+@pytest.mark.parametrize("target, nth, left", [
+    ("step=6.ckpt", 1, {"step=3.ckpt": 3, "last.ckpt": 3}),  # save_top_k: step=3 is only removed after step=6 saved
+    ("last.ckpt", 2, {"step=6.ckpt": 6, "last.ckpt": 3}),    # save_last: the old last.ckpt stays, whole
+])
+def test_a_failed_save_leaves_the_previous_checkpoints_whole(uninterrupted, tmp_path, monkeypatch, stage, target,
+                                                             nth, left):
+    _, expected = uninterrupted
+    with monkeypatch.context() as patch:
+        fail_on(target, nth, patch, stage)
+        with pytest.raises(CheckpointError, match="injected"):
+            fit_hstu(6, dirpath=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(left)  # no partial directory, under any name
+    assert {name: saved_step(tmp_path / name) for name in left} == left
+    for name in left:  # each one resumes to the run that never failed
+        assert_same_state(trained_state(fit_hstu(6, ckpt_path=tmp_path / name)), expected)
+
+
+def test_a_checkpoint_that_mixes_two_saves_is_refused(uninterrupted, tmp_path):
+    out, _ = uninterrupted
+    mixed = tmp_path / "mixed.ckpt"
+    shutil.copytree(out / "step=6.ckpt", mixed)  # the shards of step 6
+    shutil.copy(out / "step=3.ckpt" / "lightning.pt", mixed / "lightning.pt")  # the trainer state of step 3
+    with pytest.raises(CheckpointError, match="mixes two saves"):
+        fit_hstu(6, ckpt_path=mixed)
+
+
+def run_script(out_dir: Path, *args: str, devices: int) -> subprocess.CompletedProcess:
+    out_dir.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, str(SCRIPT), str(out_dir), "6", "--devices", str(devices), *args],
+                          capture_output=True, text=True, timeout=300, cwd=out_dir, env=launch_env())
+
+
+def test_a_save_failing_on_rank_0_is_an_error_on_every_rank_not_a_hang(tmp_path):
+    result = run_script(tmp_path / "run", "--save-every", "3", "--fail-lightning-file", "step=6.ckpt", devices=2)
+    assert result.returncode != 0
+    assert result.stderr.count("could not save checkpoint") >= 2, result.stderr[-3000:]  # both ranks report it
+    assert sorted(os.listdir(tmp_path / "run")) == ["step=3.ckpt"]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_is_cleaned_up_by_the_next(tmp_path):
+    killed = run_script(tmp_path / "run", "--save-every", "3", "--kill-in-lightning-file", "step=6.ckpt", devices=1)
+    assert killed.returncode != 0
+    entries = sorted(os.listdir(tmp_path / "run"))
+    assert "step=6.ckpt" not in entries and "step=3.ckpt" in entries
+    resumed = run_script(tmp_path / "run", "--save-every", "3", "--resume", str(tmp_path / "run" / "step=3.ckpt"),
+                         devices=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.endswith("ckpt") or p.startswith(".")) == [
+        "step=3.ckpt", "step=6.ckpt"]  # the killed save's leftovers are gone
