@@ -17,8 +17,11 @@ one program per block of keys walks the queries after it and accumulates dk and 
 of queries walks the keys before it and accumulates dq and the bias gradients (in the dk/dv kernel, whose
 two accumulators already fill the registers, they spilled). Both recompute the scores.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
-position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows, the time
-table's from a loop over the buckets present in the tile; each ends in a few atomic adds into fp32 sums.
+position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows; the time
+table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
+buckets are wide there, and the forward then adds one number for the whole tile too), else one sum per
+bucket of the tile's range. Each ends in a few atomic adds into fp32 sums (their order varies from run to
+run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit).
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
 capacity for CUDA graphs). Programs of blocks past a sequence's end exit at once, so the grid can be sized
@@ -122,20 +125,33 @@ def _sequence(offsets, seq):
 
 
 @triton.jit
-def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-              num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
-              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-              FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_tile(q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn, num_positions,
+                num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
+                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr,
+                CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, the [queries, keys]
+    scores (bias included) with their sigmoid, each pair's time bucket, and the tile's bucket range."""
     cols = key + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
     low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
-    bias, _ = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
-                    time_table, num_positions, num_buckets, MASKED, CLAMP)
+    bias, bucket = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
+                         time_table, num_positions, num_buckets, MASKED, CLAMP)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
-    p = s * _sigmoid(s, FAST)
+    return cols, k, v, s, _sigmoid(s, FAST), bucket, low, high
+
+
+@triton.jit
+def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
+              num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
+              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+              FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols, k, v, s, sig, _, _, _ = _query_tile(q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn,
+                                              stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM,
+                                              BLOCK_A, BLOCK_D, MASKED, PRECISION, FAST, CLAMP, BLOCK_N)
+    p = s * sig
     if MASKED:
         p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
     return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -278,16 +294,9 @@ def _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, po
              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
              FAST: tl.constexpr, CLAMP: tl.constexpr, BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
-    cols = key + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
-    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
-    ts_j = tl.load(ts + cols, mask=col_ok, other=0)
-    low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
-    bias, bucket = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
-                         time_table, num_positions, num_buckets, MASKED, CLAMP)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
-    sig = _sigmoid(s, FAST)
+    cols, k, v, s, sig, bucket, low, high = _query_tile(
+        q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn, num_positions,
+        num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, MASKED, PRECISION, FAST, CLAMP, BLOCK_N)
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if MASKED:
         ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
@@ -333,9 +342,10 @@ def _hstu_bwd_dq(Q, K, V, dOut, dQ, d_position, d_time, offsets, timestamps, pos
 
 
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
-    """Launch settings per kernel. On CUDA, the fastest of the candidates timed on an H200 for heads of
-    128 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep``; BENCHMARKS.md); halved tiles for fp32,
-    whose tiles take twice the shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
+    """Launch settings per kernel, and which backward kernel sums the bias gradients. On CUDA, the fastest
+    of the candidates timed on an H200 for heads of 128 in bf16 (``benchmarks/hstu_attention_kernel.py
+    --sweep`` and the comparisons in BENCHMARKS.md); smaller tiles for fp32, whose tiles take twice the
+    shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}

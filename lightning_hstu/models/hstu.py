@@ -413,9 +413,7 @@ class HSTUObjectives(nn.Module):
                           lambda query: query @ F.normalize(negatives, dim=-1).transpose(1, 2))
 
     def _jagged_losses(self, events, targets, user, negatives, times, actions, lengths):
-        layout = JaggedLayout(lengths, len(events))
-        hidden = self.stack.jagged(layout.tokens(user, events), layout.token_offsets,
-                                   layout.tokens(layout.user_times(times), times))
+        hidden, layout = self.encode_jagged(events, user, times, lengths)
         sample = layout.sample.clamp(max=len(lengths) - 1)
         batch, negative_count = negatives.shape[:2]
 
@@ -446,13 +444,17 @@ class HSTUObjectives(nn.Module):
         token_times = torch.cat([times[:, :1], times], dim=1)
         return self.stack(tokens, token_mask, token_times)
 
+    def encode_jagged(self, events, user, times, lengths) -> tuple[torch.Tensor, JaggedLayout]:
+        """Jagged: hidden states [C + B, D] over every history's (user token, events), and where they are."""
+        layout = JaggedLayout(lengths, len(events))
+        return self.stack.jagged(layout.tokens(user, events), layout.token_offsets,
+                                 layout.tokens(layout.user_times(times), times)), layout
+
     def last_states(self, batch: HSTUBatch, embeddings) -> torch.Tensor:
         """[B, D] each history's state after its last event (what ranks the next item)."""
         inputs = self.dense_inputs(batch, embeddings)
         if isinstance(inputs, JaggedInputs):
-            layout = JaggedLayout(inputs.lengths, len(inputs.events))
-            hidden = self.stack.jagged(layout.tokens(inputs.user, inputs.events), layout.token_offsets,
-                                       layout.tokens(layout.user_times(inputs.times), inputs.times))
+            hidden, layout = self.encode_jagged(inputs.events, inputs.user, inputs.times, inputs.lengths)
             return hidden[layout.token_offsets[1:] - 1]
         hidden = self.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
         return hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]
