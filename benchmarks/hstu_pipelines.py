@@ -1,7 +1,11 @@
 """The HSTU step on one device under a plain PyTorch loop, Lightning's own loop, TorchRec's
-TrainPipelineSparseDist, the engine's nine presets and the fastest preset with graph-captured dense
-compute: steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel time per step
-and host time per engine thread. Prints a table.
+TrainPipelineSparseDist, the engine's presets and the fastest preset with graph-captured dense compute,
+each preset both driven directly (``(Engine)`` rows: ``Engine.run`` over the task bodies) and through the
+user's path (``Trainer(strategy=HSTUPipelineStrategy(preset, ...))``; the difference is the strategy's
+own cost): steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel time per
+step, MFU, peak memory, the exposed side chain ("exposed": host ms per step that the tasks of lookahead
+> 0 cost the thread running the forward, by running there or by being waited for) and host time per
+engine thread. Prints a table.
 
     python benchmarks/hstu_pipelines.py [--workloads light heavy] [--steps 30] [--repeats 3]
     torchrun --nproc-per-node N benchmarks/hstu_pipelines.py ...     # N ranks (one GPU each, or gloo on CPU)
@@ -17,13 +21,15 @@ seed: L=4096, width 128, 10 layers, 4 heads x 128 (the seed engine's benchmark s
 (The model's token embeddings have the model's width.) ``--small`` shrinks everything for a CPU smoke run.
 
 ``--attention padded fused`` runs every mode with the padded reference attention and with the fused
-jagged kernel, one block each. MFU: the model FLOPs of the measured batches
+jagged kernel, one block each; ``--shuffler balanced identity`` (several ranks) with and without the
+workload-balanced shuffle, so that its cost and what the engine hides of it show. MFU: the model FLOPs of the measured batches
 (``HSTUObjectives.training_flops``, the formula in BENCHMARKS.md) over the step time, against the H200's
 989 TFLOP/s dense bf16 peak ("of 790": against the 790 TFLOP/s a bf16 matrix product reaches there).
 "peak GiB": the most GPU memory allocated during the mode.
 """
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -85,13 +91,13 @@ def model_sizes(sizes, attention="auto") -> dict:
                 dropout=0.0, attention=attention)
 
 
-def build_model(sizes, device, num_items, world=1, attention="auto"):
+def build_model(sizes, device, num_items, world=1, attention="auto", balance=True):
     torch.manual_seed(0)
     model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000,
                             num_actions=5).to(device)
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
-    model.shuffler = BalancedShuffler(32, enabled=world > 1)  # one device: nothing to balance
+    model.shuffler = BalancedShuffler(32, enabled=balance and world > 1)  # one device: nothing to balance
     return model
 
 
@@ -185,22 +191,50 @@ class _StepTimer(pl.Callback):
             self.kernel_ms = _kernel_ms(self._profiler, self.steps)
 
 
-def measure_lightning(sizes, batches, warmup, steps, repeats, device, num_items, attention):
-    """Lightning's own loop (HSTUPipelineStrategy(engine=False)) over the same batches and model sizes."""
+class _StepRecords(pl.Callback):
+    """The engine's task records of the steps after ``warmup`` (``strategy.step_records``)."""
+
+    def __init__(self, warmup):
+        self.warmup, self.records, self.steps = warmup, [], 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= self.warmup:
+            self.records.extend(getattr(trainer.strategy, "step_records", ()))
+            self.steps += 1
+
+
+def measure_trainer(mode, strategy, sizes, batches, warmup, steps, repeats, device, num_items, attention,
+                    balance=True):
+    """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
+    ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop)."""
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=False)
-    timer = _StepTimer(warmup, steps, repeats, device)
+    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=balance)
+    timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(engine=False), accelerator=device.type, devices=1,
+    trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=total,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[timer, recorder])
     _reset_peak(device)
     trainer.fit(model, _Batches(loop, num_items))
     times = timer.times[:repeats]
-    return {"mode": "Lightning loop", "ms": statistics.median(times), "spread": max(times) - min(times),
-            "kernel_ms": timer.kernel_ms, "records": None, "peak_gib": _peak_gib(device)}
+    return {"mode": mode, "ms": statistics.median(times), "spread": max(times) - min(times),
+            "kernel_ms": timer.kernel_ms, "records": recorder.records or None, "record_steps": recorder.steps,
+            "peak_gib": _peak_gib(device), "plan": strategy.plan if strategy.use_engine else None}
+
+
+def exposed_side_chain_ms(records, plan, steps) -> float | None:
+    """Host time per step that the side chain (the tasks of lookahead > 0) costs the thread that runs the
+    forward: side-chain tasks it runs itself, and its waits on side-chain producers of other threads."""
+    if not records or plan is None:
+        return None
+    compute = plan.task("forward").thread
+    side = {t.name for t in plan.tasks if t.lookahead > 0}
+    exposed = sum(r.duration + r.wait if r.task in side else r.wait
+                  for r in records if r.thread == compute and (r.task in side or side & set(r.waited_on)))
+    return exposed * 1e3 / steps
 
 
 def _sync(device):
@@ -222,7 +256,7 @@ def _kernel_ms(profiler, steps) -> float:
     return sum(e.self_device_time_total for e in profiler.key_averages()) / 1e3 / steps
 
 
-def measure(name, run, batches, warmup, repeats, device, warm_passes=0):
+def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None):
     """``warm_passes``: passes over the measured batches before timing (graph capture needs each input
     signature, e.g. each token capacity, seen a few times first)."""
     _reset_peak(device)
@@ -236,7 +270,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0):
         records = extra if isinstance(extra, list) else records
     return {"mode": name, "ms": statistics.median(times), "spread": max(times) - min(times),
             "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records,
-            "peak_gib": _peak_gib(device)}
+            "record_steps": len(batches) - warmup, "peak_gib": _peak_gib(device), "plan": plan}
 
 
 def _reset_peak(device):
@@ -268,29 +302,40 @@ def thread_host_ms(records, steps):
     return " ".join(f"{t}={v / steps:.2f}" for t, v in per_thread.items())
 
 
-def run_modes(args, sizes, batches, device, autocast, num_items, world, attention):
-    model = build_model(sizes, device, num_items, world, attention)
+def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, balance):
+    model = build_model(sizes, device, num_items, world, attention, balance)
     optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
-    measure_ = lambda name, run, passes=0: measure(name, run, batches, args.warmup, args.repeats, device,  # noqa: E731
-                                                   passes)
+
+    def measure_(name, run, passes=0, plan=None):
+        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
+
+    def user_path(name, **strategy_args):
+        return measure_trainer(name, HSTUPipelineStrategy(**strategy_args), sizes, batches, args.warmup, args.steps,
+                               args.repeats, device, num_items, attention, balance)
+
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
     for preset in args.presets:
         run, engine = run_engine(model, optimizer, autocast, device, preset)
         try:
-            results.append(measure_(preset, run))
+            results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan))
         finally:
             engine.close()
-    if device.type == "cuda" and args.presets:
-        best = min((r for r in results if r["mode"] in args.presets), key=lambda r: r["ms"])["mode"]
+    best = min((r for r in results[1:]), key=lambda r: r["ms"])["mode"].removesuffix(" (Engine)") \
+        if args.presets else None
+    if device.type == "cuda" and best:
         run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
         try:
-            results.append(measure_(f"{best} + graphs", run, passes=3))  # GraphedMethod's warm-up: 3 calls
+            results.append(measure_(f"{best} + graphs (Engine)", run, passes=3,  # GraphedMethod's warm-up: 3
+                                    plan=engine.plan))
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
+    if not args.no_user_path and world == 1:
+        results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
+        if device.type == "cuda" and best:
+            results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
     if not args.no_lightning and world == 1:
-        results.append(measure_lightning(sizes, batches, args.warmup, args.steps, args.repeats, device, num_items,
-                                         attention))
+        results.append(user_path("Lightning loop", engine=False))
     if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
         results.append(measure_("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device)))
     return results, model
@@ -301,15 +346,18 @@ def report(say, results, model, measured, negatives, world, steps):
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
     say(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
-        f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8}  host ms/step per engine thread (rank 0)")
+        f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8} {'exposed':>7}  host ms/step per engine thread "
+        f"(rank 0)")
     for r in results:
         kernel = r["kernel_ms"]
         global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
+        exposed = "-" if exposed is None else f"{exposed:.2f}"
         say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
             f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
-            f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8}  "
-            f"{thread_host_ms(r['records'], steps)}")
+            f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
+            f"{thread_host_ms(r['records'], r['record_steps'])}")
     before, after, shuffled = model.balance_totals
     if shuffled and world > 1:
         say(f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
@@ -326,6 +374,10 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
     parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
+    parser.add_argument("--no-user-path", action="store_true",
+                        help="leave out the presets through Trainer(strategy=HSTUPipelineStrategy(...))")
+    parser.add_argument("--shuffler", nargs="+", default=["balanced"], choices=["balanced", "identity"],
+                        help="several ranks: the workload-balanced shuffler, or the identity (no exchange)")
     parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "fused", "padded"],
                         help="auto: fused on CUDA, padded elsewhere")
     args = parser.parse_args()
@@ -348,10 +400,12 @@ def main():
         sizes = SMALL if args.small else WORKLOADS[workload]
         batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        for attention in args.attention:
-            say(f"\n## {workload}, {attention} attention: {sizes}, mean {tokens:.0f} events per batch")
+        for attention, shuffler in itertools.product(args.attention, args.shuffler):
+            say(f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
+                f"per batch")
             try:
-                results, model = run_modes(args, sizes, batches, device, autocast, num_items, world, attention)
+                results, model = run_modes(args, sizes, batches, device, autocast, num_items, world, attention,
+                                           shuffler == "balanced")
             except torch.cuda.OutOfMemoryError as error:
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()
