@@ -1,4 +1,4 @@
-"""User histories for HSTU: leave-last-out splits, batches as one KeyedJaggedTensor, sampled negatives, and
+"""User histories for HSTU: leave-two-out splits, batches as one KeyedJaggedTensor, sampled negatives, and
 the most-popular baseline evaluated the same way as the model.
 
 Batch keys: embedded by the model's EmbeddingCollection: ``item`` (the history), ``item_neg`` (sampled
@@ -6,9 +6,7 @@ negatives for the retrieval loss), ``action`` (one per event), ``user`` (context
 not embedded: ``time`` (one per event, seconds) and, for evaluation, ``target`` (the held-out item).
 """
 
-import math
 import random
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..hstu.batch import HSTUBatch, check_ids
+from .evaluation import mean_metrics, most_popular_ranks
 
 SPARSE_KEYS = ("item", "item_neg", "action", "user")
 
@@ -32,16 +31,27 @@ class History:
     def last(self, n: int) -> "History":
         return History(self.user, self.items[-n:], self.actions[-n:], self.times[-n:])
 
-    def without_last(self) -> "History":
-        return History(self.user, self.items[:-1], self.actions[:-1], self.times[:-1])
+    def without_last(self, n: int = 1) -> "History":
+        return History(self.user, self.items[:-n], self.actions[:-n], self.times[:-n])
 
 
-def leave_last_out(histories: Sequence[History], max_len: int):
-    """Train on each user's history without its last event; evaluate on predicting that last item."""
-    usable = [h for h in histories if len(h.items) >= 3]
-    train = [h.without_last().last(max_len) for h in usable]
-    evaluation = [(h.without_last().last(max_len), h.items[-1]) for h in usable]
-    return train, evaluation
+@dataclass(frozen=True)
+class Split:
+    """Leave-two-out: ``train`` histories, and (history, held-out item) pairs to validate and to test on."""
+
+    train: list[History]
+    validation: list[tuple[History, int]]
+    test: list[tuple[History, int]]
+
+
+def leave_two_out(histories: Sequence[History], max_len: int) -> Split:
+    """Train on each user's history without its last two events; validate on predicting the second-to-last
+    item from the events before it, test on predicting the last item from every event before it (the
+    validation item included). Users with fewer than 4 events are left out."""
+    usable = [h for h in histories if len(h.items) >= 4]
+    return Split(train=[h.without_last(2).last(max_len) for h in usable],
+                 validation=[(h.without_last(2).last(max_len), h.items[-2]) for h in usable],
+                 test=[(h.without_last(1).last(max_len), h.items[-1]) for h in usable])
 
 
 class Collate:
@@ -87,22 +97,11 @@ class _ListDataset(Dataset):
         return self.items[index]
 
 
-def ranking_metrics(ranks: Sequence[int], k: int = 10) -> tuple[float, float]:
-    """HR@k and NDCG@k from the 0-based rank of each held-out item."""
-    hits = [r < k for r in ranks]
-    return (sum(hits) / len(ranks), sum(1 / math.log2(r + 2) for r, hit in zip(ranks, hits) if hit) / len(ranks))
-
-
-def most_popular_metrics(train: Sequence[History], evaluation, k: int = 10) -> tuple[float, float]:
-    """The baseline: every user gets the items most frequent in training, in order of frequency."""
-    popularity = Counter(i for h in train for i in h.items)
-    order = {item: rank for rank, (item, _) in enumerate(popularity.most_common())}
-    ranks = [order.get(target, len(order)) for _, target in evaluation]
-    return ranking_metrics(ranks, k)
-
-
 class HistoryDataModule(pl.LightningDataModule):
-    """Leave-last-out training and evaluation over a set of user histories (subclasses load them)."""
+    """Leave-two-out training, validation and test over a set of user histories (subclasses load them).
+
+    ``negatives``: uniform item ids drawn per training sample for ``retrieval_loss='sampled'`` (0 for the
+    other losses, which do not read them)."""
 
     def __init__(self, batch_size: int = 32, max_seq_len: int = 200, negatives: int = 64, seed: int = 0,
                  num_workers: int = 0):
@@ -112,7 +111,8 @@ class HistoryDataModule(pl.LightningDataModule):
         self.num_items = self.num_users = 0
         self.num_actions = 5
         self.train_histories: list[History] = []
-        self.evaluation: list[tuple[History, int]] = []
+        self.validation: list[tuple[History, int]] = []
+        self.test: list[tuple[History, int]] = []
 
     def load(self) -> list[History]:
         raise NotImplementedError
@@ -131,7 +131,13 @@ class HistoryDataModule(pl.LightningDataModule):
         self.num_items = max(i for h in histories for i in h.items)
         self.num_users = max(h.user for h in histories)
         self.num_actions = max(a for h in histories for a in h.actions) + 1
-        self.train_histories, self.evaluation = leave_last_out(histories, self.max_seq_len)
+        split = leave_two_out(histories, self.max_seq_len)
+        self.train_histories, self.validation, self.test = split.train, split.validation, split.test
+
+    @property
+    def description(self) -> str:
+        """What the metrics were measured on: reports put side by side only runs of the same description."""
+        return f"{type(self).__name__}, leave-two-out, histories of at most {self.max_seq_len} events"
 
     def train_dataloader(self) -> DataLoader:
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
@@ -142,12 +148,22 @@ class HistoryDataModule(pl.LightningDataModule):
                           pin_memory=torch.cuda.is_available())  # pinned: the h2d copy can be asynchronous
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(_ListDataset(self.evaluation), batch_size=self.batch_size,
-                          collate_fn=Collate(self.num_items, 1, self.seed + 1, with_targets=True,
+        return self._evaluation_loader(self.validation)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._evaluation_loader(self.test)
+
+    def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
+        return DataLoader(_ListDataset(pairs), batch_size=self.batch_size,
+                          collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True,
                                              rows=self.table_rows()))
 
-    def baseline(self, k: int = 10) -> tuple[float, float]:
-        return most_popular_metrics(self.train_histories, self.evaluation, k)
+    def most_popular(self, stage: str = "test") -> dict[str, dict[str, float]]:
+        """The most-popular baseline's ``data.evaluation`` metrics on the ``val`` or ``test`` items:
+        items scored by their count in the training histories."""
+        pairs = {"val": self.validation, "test": self.test}[stage]
+        train = [h.items for h in self.train_histories]
+        return mean_metrics(most_popular_ranks(train, pairs, self.num_items))
 
 
 class SyntheticHistories(HistoryDataModule):
