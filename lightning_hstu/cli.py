@@ -31,6 +31,8 @@ def run_lightning_cli(argv: list[str] | None):
     resolved config goes under the run's log directory (``RunConfigCallback``)."""
     from lightning.pytorch.cli import LightningCLI
 
+    from . import known_warnings  # noqa: F401
+
     class FitThenTestCLI(LightningCLI):
         """``fit`` ends with one ``trainer.test`` when a ``RankingReport`` callback is configured: that
         callback has put the best validation epoch's weights back, and prints the test report."""

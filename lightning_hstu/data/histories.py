@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..hstu.batch import HSTUBatch, check_ids
@@ -86,6 +86,30 @@ class Collate:
         return HSTUBatch(features, sequence_keys=("item", "action", "time"))
 
 
+class LengthBuckets(Sampler[int]):
+    """A shuffled order of the samples in which each run of ``batch_size`` holds histories of similar
+    length: every epoch, a random permutation is cut into pools of ``pool_batches`` batches, each pool is
+    sorted by length and cut into batches, and the batches of all pools are shuffled. Padded attention
+    costs batch x longest^2 and the padded losses batch x longest, so batches of like lengths train
+    several times faster on the CPU; each batch still mixes users drawn at random within a pool."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int, generator: torch.Generator):
+        self.lengths, self.batch_size, self.pool = list(lengths), batch_size, batch_size * pool_batches
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        order = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        batches = []
+        for start in range(0, len(order), self.pool):
+            pool = sorted(order[start:start + self.pool], key=self.lengths.__getitem__)
+            batches.extend(pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size))
+        for b in torch.randperm(len(batches), generator=self.generator).tolist():
+            yield from batches[b]
+
+
 class _ListDataset(Dataset):
     def __init__(self, items: list):
         self.items = items
@@ -101,11 +125,17 @@ class HistoryDataModule(pl.LightningDataModule):
     """Leave-two-out training, validation and test over a set of user histories (subclasses load them).
 
     ``negatives``: uniform item ids drawn per training sample for ``retrieval_loss='sampled'`` (0 for the
-    other losses, which do not read them)."""
+    other losses, which do not read them). ``length_buckets``: batches of similar history lengths
+    (``LengthBuckets`` with that many batches per pool; 0, a plain shuffle). With several ranks Lightning
+    splits the order between them (its DistributedSamplerWrapper), so each rank's batches stay alike."""
 
     def __init__(self, batch_size: int = 32, max_seq_len: int = 200, negatives: int = 64, seed: int = 0,
-                 num_workers: int = 0):
+                 num_workers: int = 0, length_buckets: int = 0):
         super().__init__()
+        if length_buckets < 0:
+            raise ValueError(f"length_buckets must be 0 (plain shuffle) or a number of batches per pool, got "
+                             f"{length_buckets}")
+        self.length_buckets = length_buckets
         self.batch_size, self.max_seq_len, self.negatives = batch_size, max_seq_len, negatives
         self.seed, self.num_workers = seed, num_workers
         self.num_items = self.num_users = 0
@@ -141,8 +171,12 @@ class HistoryDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
-        return DataLoader(_ListDataset(self.train_histories), batch_size=self.batch_size, shuffle=True,
-                          drop_last=True, generator=torch.Generator().manual_seed(self.seed),
+        generator = torch.Generator().manual_seed(self.seed)
+        order = dict(shuffle=True, generator=generator)
+        if self.length_buckets:
+            lengths = [len(h.items) for h in self.train_histories]
+            order = dict(sampler=LengthBuckets(lengths, self.batch_size, self.length_buckets, generator))
+        return DataLoader(_ListDataset(self.train_histories), batch_size=self.batch_size, **order, drop_last=True,
                           collate_fn=Collate(self.num_items, self.negatives, self.seed, rows=self.table_rows()),
                           num_workers=self.num_workers,
                           pin_memory=torch.cuda.is_available())  # pinned: the h2d copy can be asynchronous
@@ -154,6 +188,7 @@ class HistoryDataModule(pl.LightningDataModule):
         return self._evaluation_loader(self.test)
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
+        pairs = sorted(pairs, key=lambda pair: len(pair[0].items))  # like lengths batched: less padding
         return DataLoader(_ListDataset(pairs), batch_size=self.batch_size,
                           collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True,
                                              rows=self.table_rows()))
