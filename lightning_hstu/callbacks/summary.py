@@ -32,8 +32,9 @@ class FitSummary(Callback):
               f"{time.perf_counter() - self.created:.1f} s since start")
 
     @rank_zero_only
-    def on_test_end(self, trainer, pl_module) -> None:
-        print(f"wall time {time.perf_counter() - self.created:.1f} s (start-up, fit, test)")
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage == "test":  # after every callback's on_test_end (the progress bar's last line included)
+            print(f"wall time {time.perf_counter() - self.created:.1f} s (start-up, fit, test)")
 
 
 def _batch_size(batch) -> int:

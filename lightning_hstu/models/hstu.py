@@ -611,9 +611,14 @@ def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
-    """Item ids (also the sampled negatives), actions and users; row 0 of item and user means none."""
+    """Item ids (also the negatives), actions and users; row 0 of item and user means none. Every table
+    starts at the item table's scale (TorchRec's default, uniform within 1/sqrt(rows)): an event is the sum
+    of its item's and its action's rows, and by the default the 5-row action table would start 18 times
+    larger than the item rows on ML-100K and drown them."""
+    bound = (num_items + 1) ** -0.5
+    scale = dict(embedding_dim=dim, weight_init_min=-bound, weight_init_max=bound)
     return [
-        EmbeddingConfig(name="item", embedding_dim=dim, num_embeddings=num_items + 1, feature_names=["item", "item_neg"]),
-        EmbeddingConfig(name="action", embedding_dim=dim, num_embeddings=num_actions, feature_names=["action"]),
-        EmbeddingConfig(name="user", embedding_dim=dim, num_embeddings=num_users + 1, feature_names=["user"]),
+        EmbeddingConfig(name="item", num_embeddings=num_items + 1, feature_names=["item", "item_neg"], **scale),
+        EmbeddingConfig(name="action", num_embeddings=num_actions, feature_names=["action"], **scale),
+        EmbeddingConfig(name="user", num_embeddings=num_users + 1, feature_names=["user"], **scale),
     ]

@@ -177,6 +177,8 @@ class HSTUStack(nn.Module):
         super().__init__()
         self.config, self.max_seq_len = config, config.max_seq_len
         self.position = nn.Embedding(config.max_seq_len, config.embedding_dim) if config.position_embedding else None
+        if self.position is not None:  # at the scale of the (scaled) item rows, not torch's N(0, 1)
+            nn.init.trunc_normal_(self.position.weight, std=config.embedding_dim ** -0.5)
         self.input_dropout = nn.Dropout(config.input_dropout)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)

@@ -29,13 +29,16 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
                                            activation="relu", batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, num_layers, norm=nn.LayerNorm(embedding_dim),
                                             enable_nested_tensor=False)
+        nn.init.xavier_normal_(self.positions.weight)
         if num_items is not None:
             self._make_items(num_items)
 
     def _make_items(self, num_items: int) -> None:
         self.num_items = num_items
         self.items = nn.Embedding(num_items + 1, self.hparams.embedding_dim, padding_idx=0)
-
+        with torch.no_grad():  # Xavier, as the paper's code: N(0, 1) rows make the first logits huge
+            nn.init.xavier_normal_(self.items.weight)
+            self.items.weight[0] = 0
     def configure_model(self) -> None:
         if self.items is None:
             self._make_items(self.trainer.datamodule.num_items)
