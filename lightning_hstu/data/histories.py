@@ -203,7 +203,8 @@ class HistoryDataModule(pl.LightningDataModule):
 
 class SyntheticHistories(HistoryDataModule):
     """Histories shaped like the seed's benchmark: zipf(alpha) lengths up to ``max_seq_len``, zipf item
-    popularity, five action types, increasing timestamps; seeded and reproducible."""
+    popularity (at least 4 events each, what leave-two-out keeps), five action types, increasing timestamps;
+    seeded and reproducible."""
 
     def __init__(self, num_users: int = 512, num_items: int = 2000, alpha: float = 1.2, **kwargs):
         super().__init__(**kwargs)
@@ -215,7 +216,7 @@ class SyntheticHistories(HistoryDataModule):
         item_weights = [1 / n ** self.alpha for n in range(1, self._items + 1)]
         histories = []
         for user in range(1, self._users + 1):
-            n = max(3, rng.choices(range(1, self.max_seq_len + 2), weights=length_weights)[0])
+            n = max(4, rng.choices(range(1, self.max_seq_len + 2), weights=length_weights)[0])
             items = rng.choices(range(1, self._items + 1), weights=item_weights, k=n)
             times = [0]
             for _ in range(n - 1):
