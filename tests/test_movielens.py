@@ -47,3 +47,20 @@ def test_leave_two_out_validates_on_the_second_to_last_item_and_tests_on_the_las
     assert [(h.items, target) for h, target in split.test] == [((1, 2, 3), 4), ((1, 2, 1), 3)]
     long = leave_two_out(histories, max_len=1)
     assert [h.items for h, _ in long.test] == [(3,), (1,)]  # the most recent events are kept
+
+
+def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
+    import random
+
+    import torch
+
+    from lightning_hstu.data.histories import LengthBuckets
+
+    lengths = [random.Random(i).randrange(2, 200) for i in range(100)]
+    sampler = LengthBuckets(lengths, batch_size=10, pool_batches=5, generator=torch.Generator().manual_seed(0))
+    first, second = list(sampler), list(sampler)
+    assert sorted(first) == list(range(100)) and sorted(second) == list(range(100))
+    assert first != second  # a new order every epoch
+    batches = [first[i:i + 10] for i in range(0, 100, 10)]
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 60  # sorted pools of 50: about 40; a random batch of 10 spans about 160 of the 198 lengths
