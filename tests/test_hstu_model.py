@@ -217,3 +217,25 @@ def test_an_unknown_attention_or_a_fused_one_without_cuda_is_refused(monkeypatch
     with pytest.raises(ValueError, match="attention='fused' runs a Triton kernel: it needs a CUDA device"):
         fit_hstu(epochs=1, model_kwargs=dict(attention="fused"), limit_train_batches=1, limit_val_batches=0)
     assert HSTURecommender(**SMALL_MODEL).objectives.fused(torch.device("cpu")) is False  # auto: padded on CPU
+
+
+def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
+    with pytest.raises(ValueError, match="unknown retrieval_loss 'bpr'; valid: auto, full, sampled, in_batch"):
+        HSTURecommender(**SMALL_MODEL, retrieval_loss="bpr")
+    with pytest.raises(ValueError, match=r"ranking_weight must be at least 0 \(0 turns the ranking loss off\), got -1"):
+        HSTURecommender(**SMALL_MODEL, ranking_weight=-1)
+    with pytest.raises(ValueError, match="length_buckets must be 0 .plain shuffle. or a number of batches per pool"):
+        small_data(length_buckets=-2)
+
+
+def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
+    data = small_data()
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
+    fake = {key: JaggedTensor(values=torch.zeros(len(batch.features[key].values()), 16),
+                              lengths=batch.features[key].lengths()) for key in ("item", "item_neg", "action", "user")}
+    rows = data.num_items + 1
+    with pytest.raises(ValueError, match=rf"retrieval='full' scores every event against the whole item table.*"
+                                         rf"\({rows} rows\); these embeddings have 32 'item_neg' rows"):
+        model.objectives(batch, fake)  # 8 histories x 4 sampled negatives
