@@ -117,6 +117,8 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     """examples/movielens.yaml with the synthetic histories and a small model in place of ML-100K."""
     import yaml
 
+    from ranks import launch_env
+
     config = yaml.safe_load((EXAMPLE.parent / "movielens.yaml").read_text())
     config["model"]["init_args"].update(embedding_dim=16, num_heads=1, attention_dim=8, hidden_dim=8, max_seq_len=32)
     config["data"] = {"class_path": "lightning_hstu.data.histories.SyntheticHistories",
@@ -126,7 +128,7 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     (tmp_path / "main.yaml").write_text(yaml.safe_dump(config))
     script = Path(sys.executable).parent / "lightning-hstu"
     result = subprocess.run([str(script), "fit", "--config", "main.yaml"], capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
+                            timeout=600, cwd=tmp_path, env=launch_env())  # not this process's rendezvous port
     assert result.returncode == 0, result.stderr[-3000:]
     for notice in KNOWN_NOTICES:
         assert notice not in result.stderr, notice
