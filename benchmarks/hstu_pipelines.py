@@ -88,7 +88,7 @@ def model_sizes(sizes, attention="auto") -> dict:
     """HSTURecommender's arguments for a workload."""
     return dict(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"], num_heads=sizes["num_heads"],
                 attention_dim=sizes["attention_dim"], hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"],
-                dropout=0.0, attention=attention)
+                dropout=0.0, attention=attention, retrieval_loss="sampled")  # 16 sampled negatives per history
 
 
 def build_model(sizes, device, num_items, world=1, attention="auto", balance=True):

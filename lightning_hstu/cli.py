@@ -31,8 +31,20 @@ def run_lightning_cli(argv: list[str] | None):
     resolved config goes under the run's log directory (``RunConfigCallback``)."""
     from lightning.pytorch.cli import LightningCLI
 
-    return LightningCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
-                        save_config_callback=_run_config_callback())
+    from . import known_warnings  # noqa: F401
+
+    class FitThenTestCLI(LightningCLI):
+        """``fit`` ends with one ``trainer.test`` when a ``RankingReport`` callback is configured: that
+        callback has put the best validation epoch's weights back, and prints the test report."""
+
+        def after_fit(self) -> None:
+            from .callbacks import RankingReport
+
+            if any(isinstance(c, RankingReport) for c in self.trainer.callbacks) and not self.trainer.interrupted:
+                self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
+
+    return FitThenTestCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
+                          save_config_callback=_run_config_callback())
 
 
 def _run_config_callback():

@@ -1,5 +1,6 @@
 """The ``lightning-hstu`` command a user runs: the presets table, a custom plan, the demo."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,36 @@ def test_fit_with_an_unknown_preset_in_init_args_lists_the_valid_ones(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "unknown preset 'fastest'; valid presets: legacy_none, default_d3" in result.stderr
+
+
+KNOWN_NOTICES = ("TopologyFactory", "HeuristicalStorageReservation", "dense tensor size", "Transformer Engine and Apex",
+                 "full scope is deprecated", "is_fx_tracing", "LeafSpec")
+
+
+def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_without_known_notices(tmp_path):
+    """examples/movielens.yaml with the synthetic histories and a small model in place of ML-100K."""
+    import yaml
+
+    from ranks import launch_env
+
+    config = yaml.safe_load((EXAMPLE.parent / "movielens.yaml").read_text())
+    config["model"]["init_args"].update(embedding_dim=16, num_heads=1, attention_dim=8, hidden_dim=8, max_seq_len=32)
+    config["data"] = {"class_path": "lightning_hstu.data.histories.SyntheticHistories",
+                      "init_args": dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=0,
+                                        length_buckets=4)}
+    config["trainer"]["max_epochs"] = 2
+    (tmp_path / "main.yaml").write_text(yaml.safe_dump(config))
+    script = Path(sys.executable).parent / "lightning-hstu"
+    result = subprocess.run([str(script), "fit", "--config", "main.yaml"], capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path, env=launch_env())  # not this process's rendezvous port
+    assert result.returncode == 0, result.stderr[-3000:]
+    for notice in KNOWN_NOTICES:
+        assert notice not in result.stderr, notice
+    header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"epoch", "train/loss", "val/all/HR@10", "val/unseen/NDCG@50", "test/all/MRR"} <= set(header)
+    out = result.stdout
+    assert "ranked among all items:" in out and "ranked among items not in the user's history:" in out
+    assert "most popular" in out and "HSTU " in out
+    assert re.search(r"trained [\d,]+ samples in 2 epochs: [\d,]+ samples/s", out)
+    assert out.rstrip().splitlines()[-1].startswith("wall time ")
+    assert (tmp_path / "lightning_logs" / "version_0" / "ranking.json").exists()

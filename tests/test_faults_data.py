@@ -41,7 +41,8 @@ def fit_hstu(model_kwargs=None, data=None):
 # ----- ids outside their table ---------------------------------------------------------------------------------
 
 class CraftedHistories(HistoryDataModule):
-    """Twenty users of four events; user 7's third item id is ``bad_item``."""
+    """Twenty users of four events; user 7's second item id is ``bad_item`` (in its training history:
+    leave-two-out holds the last two out)."""
 
     def __init__(self, bad_item: int):
         super().__init__(batch_size=4, max_seq_len=8, negatives=2)
@@ -50,7 +51,7 @@ class CraftedHistories(HistoryDataModule):
     def load(self):
         histories = []
         for user in range(1, 21):
-            items = (1 + user % 9, 2, self.bad_item if user == 7 else 3, 4)
+            items = (1 + user % 9, self.bad_item if user == 7 else 2, 3, 4)
             histories.append(History(user, items, (1, 2, 3, 4), (10, 20, 30, 40)))
         return histories
 

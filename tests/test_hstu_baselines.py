@@ -47,11 +47,19 @@ def test_lightnings_own_loop_trains_the_same_steps_as_the_engine(engine_run):
     assert_same_training(lightning_run, engine_run)
 
 
+# Sampled negatives here: with the full softmax every item row gets a gradient every step, and Adagrad's
+# first steps (lr * g / |g|) turn the float noise of another summation order on rows of near-zero gradient
+# into differences of 1e-4. The padded losses of both lengths are compared exactly in test_hstu_layers.
+SAMPLED = dict(UNSHUFFLED, retrieval_loss="sampled")
+
+
 @pytest.mark.usefixtures("no_thread_left")
-def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_path(engine_run):
+def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_path():
+    engine_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"),
+                          model_kwargs=SAMPLED)
     strategy = HSTUPipelineStrategy("legacy_none", capture_graphs=True)
     assert "forward@0[graph]" in strategy.plan.describe()
-    padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=UNSHUFFLED)
+    padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=SAMPLED)
     graphed = padded_run[0].hstu_graphs()["forward"]
     assert graphed.eager_calls == len(padded_run[2].losses) and graphed.replays == 0  # CPU: never captured
     assert_same_training(padded_run, engine_run, rtol=1e-4, atol=1e-5)  # other padding, other sum order

@@ -5,7 +5,8 @@ import torch
 
 from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, Padding, to_padded
 
-CONFIG = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32)
+CONFIG = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
+                    position_embedding=True, scale_inputs=True)
 
 
 def stack():
@@ -84,6 +85,7 @@ def test_what_graph_capture_records_is_the_method_with_its_parameters_as_argumen
     inputs = (torch.randn(B, L, D, requires_grad=True), torch.randn(B, L, D, requires_grad=True),
               torch.randn(B, D, requires_grad=True), torch.randn(B, K, D, requires_grad=True),
               torch.cumsum(torch.randint(0, 3600, (B, L)), 1), torch.randint(0, 5, (B, L)),
+              torch.randint(1, 50, (B, L)), torch.randint(1, 50, (B, K)),
               torch.arange(L)[None] < torch.tensor([[5], [L], [1]]))
     params = tuple(p.detach().clone().requires_grad_() for p in objectives.parameters())
     call = _Call(objectives, "losses", None)
@@ -126,21 +128,30 @@ def test_the_jagged_stack_computes_what_the_padded_stack_does():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def objectives_and_inputs(attention):
+ITEMS = 12
+"""Item ids of the loss tests: few, so that negatives often hit a target."""
+
+
+def objectives_and_inputs(attention, retrieval="sampled"):
     from lightning_hstu.models.hstu import HSTUObjectives
 
     torch.manual_seed(0)
-    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05, attention=attention)
+    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05, attention=attention, retrieval=retrieval,
+                                ranking_weight=0.5)
     for p in objectives.parameters():
         torch.nn.init.normal_(p, std=0.2)
     gen = torch.Generator().manual_seed(1)
     lengths = torch.tensor([1, CONFIG.max_seq_len - 1, 7, 0, 3])  # an empty history and a full one
-    n, batch, negatives, width = int(lengths.sum()), len(lengths), 4, CONFIG.embedding_dim
+    n, batch, width = int(lengths.sum()), len(lengths), CONFIG.embedding_dim
+    negatives = {"sampled": (batch, 4), "full": (ITEMS + 1,), "in_batch": (0,)}[retrieval]
     leaves = [torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen),
-              torch.randn(batch, width, generator=gen), torch.randn(batch, negatives, width, generator=gen)]
+              torch.randn(batch, width, generator=gen), torch.randn(*negatives, width, generator=gen)]
     times = torch.cumsum(torch.randint(0, 5000, (n,), generator=gen), 0)
     actions = torch.randint(0, 5, (n,), generator=gen)
-    return objectives, [t.requires_grad_() for t in leaves], times, actions, lengths
+    ids = dict(targets=torch.randint(1, ITEMS + 1, (n,), generator=gen),
+               negatives=(torch.arange(ITEMS + 1) if retrieval == "full"
+                          else torch.randint(1, ITEMS + 1, negatives, generator=gen)))
+    return objectives, [t.requires_grad_() for t in leaves], times, actions, ids, lengths
 
 
 def losses_and_gradients(objectives, inputs, leaves):
@@ -149,24 +160,104 @@ def losses_and_gradients(objectives, inputs, leaves):
     return [retrieval.detach(), ranking.detach(), *(t.grad for t in leaves), *(p.grad for p in objectives.parameters())]
 
 
-@pytest.mark.parametrize("extra_rows", [0, 9])
-def test_the_jagged_losses_equal_the_padded_losses(extra_rows):
-    """Both layouts of HSTUObjectives.losses on the same histories, also with a token capacity (rows past
-    the real events, as graph capture uses)."""
-    from lightning_hstu.models.hstu import JaggedInputs
+def padded_losses(retrieval):
+    from lightning_hstu.models.hstu import DenseInputs
 
-    padded_objectives, leaves, times, actions, lengths = objectives_and_inputs("padded")
+    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("padded", retrieval)
     padding = Padding(lengths, len(times), CONFIG.max_seq_len - 1)
     events, targets, user, negatives = leaves
-    expected = losses_and_gradients(padded_objectives, (padding(events), padding(targets), user, negatives,
-                                                        padding(times), padding(actions), padding.mask), leaves)
-    jagged_objectives, leaves, times, actions, lengths = objectives_and_inputs("fused")
+    inputs = DenseInputs(padding(events), padding(targets), user, negatives, padding(times), padding(actions),
+                         padding(ids["targets"]), ids["negatives"], padding.mask)
+    return objectives, inputs, leaves
+
+
+@pytest.mark.parametrize("retrieval, extra_rows", [("sampled", 0), ("sampled", 9), ("full", 9), ("in_batch", 9)])
+def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows):
+    """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
+    token capacity (rows past the real events, as graph capture uses)."""
+    from lightning_hstu.models.hstu import JaggedInputs
+
+    expected = losses_and_gradients(*padded_losses(retrieval))
+    jagged_objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval)
     events, targets, user, negatives = leaves
     grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
-    inputs = JaggedInputs(grow(events), grow(targets), user, negatives, grow(times), grow(actions), lengths)
+    inputs = JaggedInputs(grow(events), grow(targets), user, negatives, grow(times), grow(actions),
+                          grow(ids["targets"]), ids["negatives"], lengths)
     got = losses_and_gradients(jagged_objectives, inputs, leaves)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def retrieval_by_hand(objectives, inputs, negatives_of):
+    """Sum over real positions of -log softmax of the target among (target, negatives_of(sample, target)),
+    from the encoded states: the definition the loss implements."""
+    hidden = objectives.encode(inputs.events, inputs.user, inputs.times, inputs.mask)[:, :-1]
+    total = 0.0
+    for b, position in inputs.mask.nonzero().tolist():
+        query = torch.nn.functional.normalize(hidden[b, position], dim=-1)
+        target = int(inputs.target_ids[b, position])
+        rows = torch.cat([inputs.targets[b, position][None], negatives_of(b, target)])
+        logits = torch.nn.functional.normalize(rows, dim=-1) @ query / objectives.temperature
+        total = total - torch.log_softmax(logits, 0)[0]
+    return total
+
+
+def test_sampled_negatives_that_hit_the_target_are_left_out():
+    objectives, inputs, _ = padded_losses("sampled")
+    assert (inputs.negative_ids[:, None, :] == inputs.target_ids[..., None])[inputs.mask].any()  # hits exist
+
+    def kept(b, target):
+        return inputs.negatives[b][inputs.negative_ids[b] != target]
+
+    retrieval, _ = objectives.losses(*inputs)
+    torch.testing.assert_close(retrieval, retrieval_by_hand(objectives, inputs, kept))
+    unmasked, _ = objectives.losses(*inputs._replace(negative_ids=inputs.negative_ids + 100))  # no hit possible
+    assert not torch.allclose(unmasked, retrieval)
+
+
+def test_the_full_softmax_is_the_cross_entropy_over_every_item():
+    objectives, inputs, _ = padded_losses("full")
+    table = inputs.negatives
+
+    def every_other_item(b, target):
+        return table[(torch.arange(len(table)) != target) & (torch.arange(len(table)) != 0)]
+
+    # the target's own row stands for it: its score is the target's in the table
+    inputs = inputs._replace(targets=table[inputs.target_ids])
+    retrieval, _ = objectives.losses(*inputs)
+    torch.testing.assert_close(retrieval, retrieval_by_hand(objectives, inputs, every_other_item))
+
+
+def test_in_batch_negatives_are_the_other_targets_of_the_batch():
+    objectives, inputs, _ = padded_losses("in_batch")
+    real_targets, real_ids = inputs.targets[inputs.mask], inputs.target_ids[inputs.mask]
+
+    def other_targets(b, target):
+        return real_targets[real_ids != target]
+
+    retrieval, _ = objectives.losses(*inputs)
+    torch.testing.assert_close(retrieval, retrieval_by_hand(objectives, inputs, other_targets))
+
+
+def test_a_zero_ranking_weight_drops_the_ranking_loss_and_its_head():
+    from lightning_hstu.models.hstu import HSTUObjectives
+
+    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05, ranking_weight=0.0)
+    assert objectives.ranking_head is None
+    weighted, inputs, _ = padded_losses("sampled")
+    retrieval, ranking = weighted.losses(*inputs)
+    weighted.ranking_weight = 1.0
+    assert torch.allclose(weighted.losses(*inputs)[1] * 0.5, ranking)  # the weight multiplies the loss
+
+
+def test_the_retrieval_loss_choice():
+    from lightning_hstu.models.hstu import FULL_SOFTMAX_MAX_ITEMS, resolve_retrieval
+
+    assert resolve_retrieval("auto", 1682) == "full"
+    assert resolve_retrieval("auto", FULL_SOFTMAX_MAX_ITEMS + 1) == "sampled"
+    assert resolve_retrieval("in_batch", 10) == "in_batch"
+    with pytest.raises(ValueError, match="unknown retrieval_loss 'bpr'; valid: auto, full, sampled, in_batch"):
+        resolve_retrieval("bpr", 10)
 
 
 def test_token_capacities_are_few_and_waste_at_most_a_quarter():

@@ -22,7 +22,7 @@ from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.loop import global_token_loss
-from lightning_hstu.models.hstu import HSTURecommender, embedding_tables, sparse_features
+from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
 
@@ -60,10 +60,13 @@ def test_hstu_trains_with_every_task_doing_its_job():
     assert sum(last) / len(last) < sum(first) / len(first)
 
 
-def test_validation_reports_leave_last_out_metrics():
+def test_validation_reports_the_ranking_metrics_under_both_rankings():
     _, trainer, _ = fit_hstu(epochs=1)
-    assert 0.0 <= float(trainer.callback_metrics["val/HR@10"]) <= 1.0
-    assert float(trainer.callback_metrics["val/NDCG@10"]) <= float(trainer.callback_metrics["val/HR@10"])
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    for ranking in ("all", "unseen"):
+        assert 0.0 <= metrics[f"val/{ranking}/HR@1"] <= metrics[f"val/{ranking}/HR@10"] <= metrics[f"val/{ranking}/HR@50"] <= 1
+        assert metrics[f"val/{ranking}/NDCG@10"] <= metrics[f"val/{ranking}/HR@10"]
+    assert metrics["val/unseen/MRR"] >= metrics["val/all/MRR"]  # fewer items ahead of the target
 
 
 class ExplodesAtBatch3(HSTURecommender):
@@ -126,16 +129,18 @@ def _global_token_loss(rank, world):
     model.embeddings = ShardedEmbeddings(tables, torch.device("cpu"))
     tokens = mine.sequence_lengths().sum().float()
     dist.all_reduce(tokens)
-    rank_loss = global_token_loss(model.objectives, mine, model.embeddings(sparse_features(mine)), tokens)
+    rank_loss = global_token_loss(model.objectives, mine, model.embeddings(model.sparse_features(mine)), tokens)
     mean = rank_loss.detach().clone()
     dist.all_reduce(mean)
     mean /= world
-    w_retrieval, w_ranking = model.objectives(whole, model.embeddings(sparse_features(whole)))
+    w_retrieval, w_ranking = model.objectives(whole, model.embeddings(model.sparse_features(whole)))
     single = (w_retrieval + w_ranking) / whole.sequence_lengths().sum()
     return float(mean), float(single)
 
 
 def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch(tmp_path):
+    """With the full softmax (the small model's default: 200 items): every rank scores its events against
+    the whole item table, so the loss is additive over samples."""
     for mean, single in run_on_ranks(_global_token_loss, tmp_path):
         assert mean == pytest.approx(single, rel=1e-5)
 
@@ -212,3 +217,25 @@ def test_an_unknown_attention_or_a_fused_one_without_cuda_is_refused(monkeypatch
     with pytest.raises(ValueError, match="attention='fused' runs a Triton kernel: it needs a CUDA device"):
         fit_hstu(epochs=1, model_kwargs=dict(attention="fused"), limit_train_batches=1, limit_val_batches=0)
     assert HSTURecommender(**SMALL_MODEL).objectives.fused(torch.device("cpu")) is False  # auto: padded on CPU
+
+
+def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
+    with pytest.raises(ValueError, match="unknown retrieval_loss 'bpr'; valid: auto, full, sampled, in_batch"):
+        HSTURecommender(**SMALL_MODEL, retrieval_loss="bpr")
+    with pytest.raises(ValueError, match=r"ranking_weight must be at least 0 \(0 turns the ranking loss off\), got -1"):
+        HSTURecommender(**SMALL_MODEL, ranking_weight=-1)
+    with pytest.raises(ValueError, match="length_buckets must be 0 .plain shuffle. or a number of batches per pool"):
+        small_data(length_buckets=-2)
+
+
+def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
+    data = small_data()
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
+    fake = {key: JaggedTensor(values=torch.zeros(len(batch.features[key].values()), 16),
+                              lengths=batch.features[key].lengths()) for key in ("item", "item_neg", "action", "user")}
+    rows = data.num_items + 1
+    with pytest.raises(ValueError, match=rf"retrieval='full' scores every event against the whole item table.*"
+                                         rf"\({rows} rows\); these embeddings have 32 'item_neg' rows"):
+        model.objectives(batch, fake)  # 8 histories x 4 sampled negatives

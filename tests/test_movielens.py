@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_hstu.data.histories import leave_last_out, most_popular_metrics, ranking_metrics
+from lightning_hstu.data.histories import leave_two_out
 from lightning_hstu.data.movielens import MovieLens, histories_from, read_ratings
 
 
@@ -36,13 +36,31 @@ def test_unknown_dataset_and_missing_folder_are_named(tmp_path):
         read_ratings("ml-1m", str(tmp_path))
 
 
-def test_leave_last_out_and_the_most_popular_baseline(tmp_path):
+def test_leave_two_out_validates_on_the_second_to_last_item_and_tests_on_the_last(tmp_path):
     (tmp_path / "u.data").write_text("".join(f"{u}\t{i}\t4\t{t}\n" for u, i, t in [
-        (1, 1, 1), (1, 2, 2), (1, 3, 3), (2, 1, 1), (2, 2, 2), (2, 1, 3), (3, 5, 1)]))
+        (1, 1, 1), (1, 2, 2), (1, 3, 3), (1, 4, 4), (2, 1, 1), (2, 2, 2), (2, 1, 3), (2, 3, 4), (3, 5, 1), (3, 1, 2),
+        (3, 2, 3)]))
     histories = histories_from(read_ratings("ml-100k", str(tmp_path)))
-    train, evaluation = leave_last_out(histories, max_len=10)
-    assert [h.items for h in train] == [(1, 2), (1, 2)]  # user 3 has too short a history
-    assert [target for _, target in evaluation] == [3, 1]
-    # popularity in training: items 1 and 2 (tied, 1 first); target 3 unseen, target 1 ranked first
-    assert most_popular_metrics(train, evaluation, k=10) == ranking_metrics([2, 0], k=10)
-    assert ranking_metrics([0, 20], k=10) == (0.5, 0.5)
+    split = leave_two_out(histories, max_len=10)
+    assert [h.items for h in split.train] == [(1, 2), (1, 2)]  # user 3 has too short a history
+    assert [(h.items, target) for h, target in split.validation] == [((1, 2), 3), ((1, 2), 1)]
+    assert [(h.items, target) for h, target in split.test] == [((1, 2, 3), 4), ((1, 2, 1), 3)]
+    long = leave_two_out(histories, max_len=1)
+    assert [h.items for h, _ in long.test] == [(3,), (1,)]  # the most recent events are kept
+
+
+def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
+    import random
+
+    import torch
+
+    from lightning_hstu.data.histories import LengthBuckets
+
+    lengths = [random.Random(i).randrange(2, 200) for i in range(100)]
+    sampler = LengthBuckets(lengths, batch_size=10, pool_batches=5, generator=torch.Generator().manual_seed(0))
+    first, second = list(sampler), list(sampler)
+    assert sorted(first) == list(range(100)) and sorted(second) == list(range(100))
+    assert first != second  # a new order every epoch
+    batches = [first[i:i + 10] for i in range(0, 100, 10)]
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 60  # sorted pools of 50: about 40; a random batch of 10 spans about 160 of the 198 lengths

@@ -3,7 +3,8 @@
 from .collectives import CollectiveInventoryCallback
 from .nvtx_ranges import NVTXCallback
 from .report import RankingReport
+from .summary import FitSummary
 from .timing import TaskTimingCallback
 from .trace import GanttCallback, TraceCallback
 
-__all__ = ["CollectiveInventoryCallback", "GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]
+__all__ = ["CollectiveInventoryCallback", "FitSummary", "GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]

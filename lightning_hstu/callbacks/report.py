@@ -1,22 +1,106 @@
-"""Prints the model's leave-last-out ranking metrics beside the most-popular baseline when fit ends."""
+"""The ranking report: the test metrics of the best validation epoch's weights, beside the most-popular
+baseline and other models' runs on the same data."""
 
+import json
+import time
+from pathlib import Path
+
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from ..data.evaluation import METRICS, RANKINGS
+
+RESULTS_FILE = "ranking.json"
+
 
 class RankingReport(Callback):
-    """Needs a datamodule with ``baseline(k)`` (``data.histories.HistoryDataModule``) and a model that logs
-    ``val/HR@10`` and ``val/NDCG@10``."""
+    """Keeps the weights of the best validation epoch (by ``monitor``, higher is better) in memory and puts
+    them back when fit ends, so that a ``trainer.test`` after fit (``lightning-hstu fit`` runs one) scores
+    the test items once, with those weights. After the test it prints every metric under both rankings for
+    this model, for each other model whose ``ranking.json`` lies in a sibling run directory with the same
+    data description (the latest run per model), and for the most-popular baseline; and writes this run's
+    ``ranking.json`` into its log directory.
 
-    def on_fit_end(self, trainer, pl_module):
-        self._print(trainer)
+    Needs a model with ``evaluation_weights()`` that logs ``val/...`` and ``test/...`` as
+    ``models.ranking.RankingEvaluation`` does, and a datamodule with ``most_popular()`` and ``description``
+    (``data.histories.HistoryDataModule``)."""
+
+    def __init__(self, monitor: str = "val/all/NDCG@10", name: str | None = None):
+        self.monitor, self.name = monitor, name
+        self.best_score: float | None = None
+        self.best_epoch: int | None = None
+        self._best: list[torch.Tensor] | None = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if self.monitor not in trainer.callback_metrics:
+            logged = ", ".join(k for k in trainer.callback_metrics if k.startswith("val/")) or "none"
+            raise KeyError(f"RankingReport monitors {self.monitor!r}, which validation did not log; logged: {logged}")
+        score = float(trainer.callback_metrics[self.monitor])
+        if self.best_score is None or score > self.best_score:
+            self.best_score, self.best_epoch = score, trainer.current_epoch
+            self._best = [w.detach().clone() for w in pl_module.evaluation_weights()]
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self._best is None:
+            return
+        with torch.no_grad():
+            for live, best in zip(pl_module.evaluation_weights(), self._best):
+                live.copy_(best)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._report(trainer, pl_module)
 
     @rank_zero_only
-    def _print(self, trainer) -> None:
-        metrics = trainer.callback_metrics
-        if "val/HR@10" not in metrics:
+    def _report(self, trainer, pl_module) -> None:
+        metrics = {ranking: {m: float(trainer.callback_metrics[f"test/{ranking}/{m}"]) for m in METRICS}
+                   for ranking in RANKINGS if f"test/{ranking}/{METRICS[0]}" in trainer.callback_metrics}
+        if not metrics:
             return
-        hr, ndcg = trainer.datamodule.baseline(10)
-        print("\nleave-last-out, ranked among all items:")
-        print(f"  HSTU          HR@10 {float(metrics['val/HR@10']):.4f}   NDCG@10 {float(metrics['val/NDCG@10']):.4f}")
-        print(f"  most popular  HR@10 {hr:.4f}   NDCG@10 {ndcg:.4f}")
+        data = trainer.datamodule
+        name = self.name or _model_name(pl_module)
+        run_dir = Path(trainer.log_dir) if trainer.log_dir else None
+        result = {"model": name, "data": data.description, "metrics": metrics, "best_epoch": self.best_epoch,
+                  "monitor": self.monitor, "best_score": self.best_score,
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run": str(run_dir) if run_dir else None}
+        others = _other_runs(run_dir, data.description, name) if run_dir else []
+        rows = [(name, metrics, ""), *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
+                ("most popular", data.most_popular("test"), "")]
+        print(format_report(data.description, rows, self.best_epoch, self.monitor, self.best_score))
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / RESULTS_FILE).write_text(json.dumps(result, indent=2))
+
+
+def format_report(description: str, rows, best_epoch, monitor, best_score) -> str:
+    """The test metrics of each (name, {ranking: {metric: value}}, note) row, one block per ranking."""
+    chosen = (f"weights of epoch {best_epoch}, best {monitor} {best_score:.4f}" if best_epoch is not None
+              else "weights at the end of fit")
+    lines = [f"\ntest ({description}; the last item of each history, {chosen}):"]
+    width = max(len(r[0]) for r in rows) + 2
+    for ranking, label in RANKINGS.items():
+        lines.append(f"{label}:")
+        lines.append(" " * (width + 2) + "".join(f"{m:>9}" for m in METRICS))
+        for name, metrics, note in rows:
+            if ranking in metrics:
+                lines.append(f"  {name:<{width}}" + "".join(f"{metrics[ranking][m]:9.4f}" for m in METRICS) + note)
+    return "\n".join(lines)
+
+
+def _model_name(pl_module) -> str:
+    return type(pl_module).__name__.removesuffix("Recommender") or type(pl_module).__name__
+
+
+def _other_runs(run_dir: Path, description: str, name: str) -> list[dict]:
+    """The latest result per other model in the sibling run directories, on the same data."""
+    latest: dict[str, dict] = {}
+    for path in sorted(run_dir.parent.glob(f"*/{RESULTS_FILE}"), key=lambda p: p.stat().st_mtime):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if result.get("data") == description and result.get("model") != name and path.parent != run_dir:
+            latest[result["model"]] = result
+    return list(latest.values())

@@ -83,6 +83,10 @@ class MovieLens(HistoryDataModule):
     def load(self) -> list[History]:
         return histories_from(read_ratings(self.dataset, self.root))
 
+    @property
+    def description(self) -> str:
+        return f"MovieLens {self.dataset}, leave-two-out, histories of at most {self.max_seq_len} events"
+
 
 def read_ratings(dataset: str, root: str | None) -> list[tuple[int, int, float, int]]:
     """(user, item, rating, timestamp) rows of a MovieLens file."""

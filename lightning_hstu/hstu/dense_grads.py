@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import known_warnings  # noqa: F401  (before megatron-core is imported)
+
 
 class MegatronDenseGrads:
     """Wraps ``module`` in megatron-core's DDP over the default process group (one data-parallel group).
@@ -29,7 +31,8 @@ class MegatronDenseGrads:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)  # data parallel over every rank
         # megatron asks for a TransformerConfig, of which DDP reads only generic fields
-        config = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1)
+        config = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1,
+                                   cuda_graph_scope=[])  # [] means the whole layer; its default "full" is deprecated
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, bucket_size=bucket_size)
         device = next(module.parameters()).device
         with _buffers_on(device):

@@ -18,7 +18,9 @@ from .graphs import GraphedMethod
 
 
 def sparse_features(batch: HSTUBatch, sparse_keys: int = 4) -> KeyedJaggedTensor:
-    """The keys the EmbeddingCollection embeds (the batch's first four: item, item_neg, action, user)."""
+    """The keys the EmbeddingCollection embeds (the batch's first four: item, item_neg, action, user), as the
+    batch holds them (``HSTURecommender.sparse_features`` puts the item table under item_neg for the full
+    softmax)."""
     keys = batch.features.keys()
     return batch.features.split([sparse_keys, len(keys) - sparse_keys])[0]
 
@@ -108,7 +110,7 @@ def plain_step(model: Any, optimizer: torch.optim.Optimizer, batch: HSTUBatch, *
     """One step as a plain PyTorch loop does it, for the same pieces."""
     batch = batch.to(_device(model), non_blocking=True)
     tokens = global_tokens(batch)
-    embeddings = model.embeddings(sparse_features(batch))
+    embeddings = model.embeddings(model.sparse_features(batch))
     model.dense_grads.zero_grad()
     with _autocast(autocast):
         loss = global_token_loss(model.objectives, batch, embeddings, tokens)

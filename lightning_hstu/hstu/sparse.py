@@ -16,11 +16,13 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import BoundsCheckMode, CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from .. import known_warnings  # noqa: F401  (TorchRec's lookups ask torch.fx whether they are traced)
 from .batch import check_ids
 
 
@@ -50,7 +52,10 @@ class ShardedEmbeddings(torch.nn.Module):
         apply_optimizer_in_backward(optimizer, collection.parameters(), optimizer_kwargs or {"lr": 0.05})
         world = dist.get_world_size()
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world, compute_device=device.type),
+            topology=_topology(world, device.type),
+            # a fixed share of each device's memory kept for the dense part and activations: TorchRec's
+            # default (heuristic) reservation estimates the dense tensors, and says it misjudges them
+            storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
             constraints={t.name: _constraints(sharding_type, cache_load_factor) for t in tables})
         plan = planner.collective_plan(collection, [EmbeddingCollectionSharder()], dist.GroupMember.WORLD)
         self.model_parallel = DistributedModelParallel(
@@ -124,6 +129,17 @@ class ShardedEmbeddings(torch.nn.Module):
             with self._prefetched_lock:
                 self._prefetched -= 1
         return self.sharded.compute_and_output_dist(waited.context, waited.pending).wait()
+
+
+def _topology(world: int, compute_device: str) -> Topology:
+    """The planner's topology, through TorchRec's factory where it has one (a Topology made directly makes
+    newer TorchRec warn that hardware settings are not resolved)."""
+    try:
+        from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+    except ImportError:  # an older TorchRec: no factory
+        return Topology(world_size=world, compute_device=compute_device)
+    return TopologyFactory.create_topology(trainer_config=TrainerConfig(world_size=world),
+                                           kernel_config=KernelConfig(compute_device=compute_device))
 
 
 def _constraints(sharding_type: ShardingType, cache_load_factor: float | None) -> ParameterConstraints:

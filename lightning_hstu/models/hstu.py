@@ -32,6 +32,39 @@ from ..hstu.loop import dense_losses, global_token_scale, global_tokens, sparse_
 from ..hstu.shuffler import BalancedShuffler
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
+from .ranking import RankingEvaluation
+
+RETRIEVAL_LOSSES = ("auto", "full", "sampled", "in_batch")
+"""The retrieval loss, a softmax of each position's next item against negatives (cosine scores over a
+temperature; a negative equal to the target is masked):
+
+- ``full``: every item of the catalogue. Exact, and the best signal; per step it looks the whole item
+  table up (N x D rows through TorchRec, plus their all-to-all with several ranks, one fused update) and
+  scores every event against it (6 x events x N x D FLOPs forward and backward, an events x N logits
+  tensor). The default up to ``FULL_SOFTMAX_MAX_ITEMS`` items.
+- ``sampled``: the data module's ``negatives`` uniform item ids per sample, shared by the sample's
+  positions (K lookups per sample, events x K scores). For catalogues too large for ``full``.
+- ``in_batch``: the targets of every event of the (rank's) batch: C negatives per event, C the batch's
+  events, drawn like item popularity (frequent items are pushed down more). No extra lookup; C x C scores,
+  so keep batch x history length moderate. Unlike the other two, its loss depends on how the global batch
+  is split over ranks.
+- ``auto``: ``full`` up to ``FULL_SOFTMAX_MAX_ITEMS`` items, ``sampled`` above.
+"""
+
+FULL_SOFTMAX_MAX_ITEMS = 20_000
+"""``auto`` picks the full softmax up to this many items (ML-100K: 1,682, ML-1M: 3,706; ML-20M's 26,744
+get the sampled one): at 20,000 items and width 64, a batch of 4,000 events costs 10 GFLOP forward for
+the scores and an 80M-entry logits tensor (320 MB in fp32), about what the HSTU layers themselves cost."""
+
+
+def resolve_retrieval(choice: str, num_items: int | None) -> str:
+    """``choice`` with ``auto`` resolved by the catalogue size (``sampled`` while it is unknown)."""
+    if choice not in RETRIEVAL_LOSSES:
+        raise ValueError(f"unknown retrieval_loss {choice!r}; valid: {', '.join(RETRIEVAL_LOSSES)}")
+    if choice != "auto":
+        return choice
+    return "full" if num_items is not None and num_items <= FULL_SOFTMAX_MAX_ITEMS else "sampled"
+
 
 ATTENTION = ("auto", "fused", "padded")
 """How the HSTU layers attend: ``fused``, the jagged Triton kernel (no padding anywhere in the dense part);
@@ -42,13 +75,21 @@ SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "ad
 """Optimizers TorchRec fuses into the embedding backward."""
 
 
-class HSTURecommender(pl.LightningModule):
+class HSTURecommender(RankingEvaluation, pl.LightningModule):
+    """HSTU over user histories. The training recipe's arguments: ``retrieval_loss`` (``RETRIEVAL_LOSSES``)
+    and ``temperature``; ``ranking_weight``, the next-action loss's weight (0 drops it and its head);
+    ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); AdamW's ``lr``,
+    ``weight_decay`` and ``betas`` for the dense part, ``sparse_optimizer`` and ``sparse_lr`` for the
+    tables. Evaluated by ``RankingEvaluation``."""
+
     def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 2, attention_dim: int = 32,
                  hidden_dim: int = 32, max_seq_len: int = 200, dropout: float = 0.1, temperature: float = 0.05,
                  lr: float = 1e-3, sparse_lr: float = 0.05, sparse_optimizer: str = "adagrad",
                  balance_batches: bool = True, on_nonfinite_loss: str = "raise", cache_load_factor: float | None = None,
                  num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", retrieval_loss: str = "auto", ranking_weight: float = 1.0,
+                 position_embedding: bool = False, scale_inputs: bool = False, input_dropout: float = 0.0,
+                 weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999)):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
@@ -56,10 +97,16 @@ class HSTURecommender(pl.LightningModule):
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
         if on_nonfinite_loss not in ("raise", "skip"):
             raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: raise, skip")
+        if ranking_weight < 0:
+            raise ValueError(f"ranking_weight must be at least 0 (0 turns the ranking loss off), got {ranking_weight}")
         self.save_hyperparameters()
         config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
-                            dropout=dropout)
-        self.objectives = HSTUObjectives(config, num_actions or 5, temperature, attention)
+                            dropout=dropout, position_embedding=position_embedding, scale_inputs=scale_inputs,
+                            input_dropout=input_dropout)
+        self.num_items = num_items
+        self.objectives = HSTUObjectives(config, num_actions or 5, temperature, attention,
+                                         resolve_retrieval(retrieval_loss, num_items), ranking_weight)
+        self.objectives.catalogue = num_items + 1 if num_items else None
         self.embeddings: ShardedEmbeddings | None = None
         self.balance_totals = [0.0, 0.0, 0]
         """Sums of the shuffler's max/mean rank cost before and after, and the number of global batches."""
@@ -82,6 +129,8 @@ class HSTURecommender(pl.LightningModule):
                                num_actions=hp.num_actions or data.num_actions),
                           dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions))
         self.num_items = num_items
+        self.objectives.retrieval = resolve_retrieval(hp.retrieval_loss, num_items)
+        self.objectives.catalogue = num_items + 1
         device = self.trainer.strategy.root_device
         if self.objectives.fused(device):
             self._check_length("the fused attention kernel sizes its grid by")
@@ -94,7 +143,9 @@ class HSTURecommender(pl.LightningModule):
 
     def configure_optimizers(self):
         # the sparse tables have their own (fused) optimizer
-        return torch.optim.AdamW(self.objectives.parameters(), lr=self.hparams.lr)
+        hp = self.hparams
+        return torch.optim.AdamW(self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                 betas=tuple(hp.betas))
 
     def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
         self.dense_grads.zero_grad()
@@ -110,7 +161,7 @@ class HSTURecommender(pl.LightningModule):
         totals[0], totals[1], totals[2] = totals[0] + balance.before, totals[1] + balance.after, totals[2] + 1
 
     def hstu_start_input_dist(self, b: BatchView) -> None:
-        b["input_dist_splits"] = self.embeddings.start_input_dist(sparse_features(b["shuffled_batch"]))
+        b["input_dist_splits"] = self.embeddings.start_input_dist(self.sparse_features(b["shuffled_batch"]))
 
     def hstu_wait_input_dist(self, b: BatchView) -> None:
         b["sparse_input"] = self.embeddings.wait_input_dist(b["input_dist_splits"])
@@ -206,8 +257,9 @@ class HSTURecommender(pl.LightningModule):
         if self._last_batch is None:
             return None
         batch = self._last_batch
-        negatives = batch.features.length_per_key()[batch.features.keys().index("item_neg")] // batch.size
-        return self.objectives.training_flops(batch.sequence_lengths().tolist(), negatives)
+        lengths = batch.sequence_lengths().tolist()
+        rows = self.num_items + 1 if self.objectives.retrieval == "full" else batch.features["item_neg"].values().numel()
+        return self.objectives.training_flops(lengths, self.objectives.negatives_per_event(batch.size, sum(lengths), rows))
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         self._last_batch = batch  # for flops_per_batch (read only if asked: it waits for the lengths)
@@ -217,7 +269,7 @@ class HSTURecommender(pl.LightningModule):
             embeddings, tokens = slots["embeddings"], slots["global_tokens"]
         else:  # Lightning's own loop: all of it here, in order (no balanced shuffle)
             self._unpipelined_batch = batch_idx
-            embeddings = self.embeddings(sparse_features(batch))
+            embeddings = self.embeddings(self.sparse_features(batch))
             tokens = global_tokens(batch)
         capturing = slots is not None and strategy.plan.task("forward").capturable
         graphed = self.hstu_graphs()["forward"] if capturing else None
@@ -237,16 +289,21 @@ class HSTURecommender(pl.LightningModule):
             self.log("shuffle/max_over_mean", self.shuffler.last_balance.after, batch_size=batch.size)
         return loss
 
-    def validation_step(self, batch: HSTUBatch, batch_idx: int):
-        """Leave-last-out: rank the held-out item among all items by the state after the whole history."""
+    def sparse_features(self, batch: HSTUBatch) -> KeyedJaggedTensor:
+        """The features the tables look up for ``batch``; with the full softmax, ``item_neg`` holds the whole
+        item table instead of sampled ids (on the first sample; one lookup per step, so that the fused
+        optimizer sees each row's gradient once, whatever features it came through)."""
+        features = sparse_features(batch)
+        return with_catalogue(features, self.num_items + 1) if self.objectives.retrieval == "full" else features
+
+    def score_items(self, batch: HSTUBatch) -> torch.Tensor:
+        """[B, num_items + 1] cosine scores of every item for the next event of each history."""
         last = self.objectives.last_states(batch, self.embeddings(sparse_features(batch)))
-        scores = F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
-        scores[:, 0] = -math.inf  # id 0 is no item
-        target = batch.features["target"].values()
-        rank = (scores > scores.gather(1, target[:, None])).sum(1)
-        hits = (rank < 10).float()
-        self.log("val/HR@10", hits.mean(), batch_size=len(rank), sync_dist=True)
-        self.log("val/NDCG@10", (hits / torch.log2(rank.float() + 2)).mean(), batch_size=len(rank), sync_dist=True)
+        return F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
+
+    def evaluation_weights(self) -> list[torch.Tensor]:
+        """The dense parameters and this rank's table shards: copying into them restores the model."""
+        return [*self.objectives.parameters(), *self.embeddings.local_weights().values()]
 
     def all_item_embeddings(self) -> torch.Tensor:
         """Every item's embedding [num_items + 1, D], looked up through the sharded tables."""
@@ -270,11 +327,16 @@ class DenseInputs(NamedTuple):
     user: torch.Tensor
     """[B, D] the user token, before the events."""
     negatives: torch.Tensor
-    """[B, K, D] each sample's sampled negative items."""
+    """The retrieval loss's negatives: ``sampled``, [B, K, D] each sample's; ``full``, [N + 1, D] the
+    whole item table (row 0, no item, is masked); ``in_batch``, [0, D] (the targets are the negatives)."""
     times: torch.Tensor
     """[B, L] event timestamps."""
     actions: torch.Tensor
     """[B, L] event actions (the ranking targets)."""
+    target_ids: torch.Tensor
+    """[B, L] the targets' item ids (0 at padding): a negative with the target's id is masked."""
+    negative_ids: torch.Tensor
+    """The negatives' item ids: [B, K], [N + 1] or [0], as ``negatives``."""
     mask: torch.Tensor
     """[B, L] True at real events."""
 
@@ -291,11 +353,15 @@ class JaggedInputs(NamedTuple):
     user: torch.Tensor
     """[B, D]"""
     negatives: torch.Tensor
-    """[B, K, D]"""
+    """As ``DenseInputs.negatives``."""
     times: torch.Tensor
     """[C] event timestamps."""
     actions: torch.Tensor
     """[C] event actions."""
+    target_ids: torch.Tensor
+    """[C] the targets' item ids (0 past the real rows)."""
+    negative_ids: torch.Tensor
+    """As ``DenseInputs.negative_ids``."""
     lengths: torch.Tensor
     """[B] events per history."""
 
@@ -340,20 +406,26 @@ class HSTUObjectives(nn.Module):
     treats as a leaf). ``losses`` takes the tensors of ``dense_inputs``: padded (the reference) or jagged
     (the fused attention kernel), by the ``attention`` choice and the device; with ``static=True`` their
     shapes are fixed per batch size (and capacity), with no host sync, so that they can be captured in a
-    CUDA graph."""
+    CUDA graph. ``retrieval`` is a resolved choice of ``RETRIEVAL_LOSSES`` (not ``auto``)."""
 
-    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float, attention: str = "padded"):
+    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float, attention: str = "padded",
+                 retrieval: str = "sampled", ranking_weight: float = 1.0):
         super().__init__()
+        if retrieval not in RETRIEVAL_LOSSES[1:]:
+            raise ValueError(f"unknown retrieval loss {retrieval!r}; valid: {', '.join(RETRIEVAL_LOSSES[1:])}")
         self.embedding_dim, self.temperature, self.attention = config.embedding_dim, temperature, attention
+        self.retrieval, self.ranking_weight = retrieval, ranking_weight
+        self.catalogue: int | None = None
+        """Rows of the item table (items + 1), once known: what the full softmax scores against."""
         self.max_events = config.max_seq_len - 1  # the user token takes one position
         self.stack = HSTUStack(config)
         self.ranking_head = nn.Sequential(nn.Linear(2 * config.embedding_dim, config.embedding_dim), nn.SiLU(),
-                                          nn.Linear(config.embedding_dim, num_actions))
+                                          nn.Linear(config.embedding_dim, num_actions)) if ranking_weight else None
 
     def training_flops(self, lengths: list[int], negatives: int) -> int:
         """Model FLOPs of one training step (forward and backward, 3x the forward's matrix products) of a
-        batch of histories with ``lengths`` events and ``negatives`` sampled negatives each, counted on the
-        jagged tokens (n + 1 per history, the user token first): per layer the two linear maps and, per
+        batch of histories with ``lengths`` events, each event scored against ``negatives`` items, counted on
+        the jagged tokens (n + 1 per history, the user token first): per layer the two linear maps and, per
         causal pair, q.k and the weighted sum of v, per head; then the retrieval scores and the ranking
         head per event. Padding, recomputation, norms and pointwise ops are not counted."""
         stack, config = self.stack, self.stack.config
@@ -363,9 +435,15 @@ class HSTUObjectives(nn.Module):
         pairs = sum((n + 1) * (n + 2) // 2 for n in lengths)
         per_layer = 2 * tokens * width * (2 * qk + 2 * uv) + 2 * tokens * uv * width + 2 * pairs * (qk + uv)
         head = self.ranking_head
-        per_event = 2 * width * (1 + negatives) + 2 * (head[0].in_features * head[0].out_features
-                                                        + head[2].in_features * head[2].out_features)
+        per_event = 2 * width * (1 + negatives) + (2 * (head[0].in_features * head[0].out_features
+                                                        + head[2].in_features * head[2].out_features) if head else 0)
         return 3 * (len(stack.layers) * per_layer + sum(lengths) * per_event)
+
+    def negatives_per_event(self, batch_size: int, events: int, negatives: int) -> int:
+        """How many items each event's retrieval softmax scores besides its target: ``negatives`` (the
+        ``item_neg`` rows per sample) for ``sampled``, the whole item table for ``full`` (``negatives``
+        is then its row count over the batch), every event of the batch for ``in_batch``."""
+        return {"sampled": negatives, "full": negatives * batch_size, "in_batch": events}[self.retrieval]
 
     def fused(self, device: torch.device) -> bool:
         """Whether the fused kernel (jagged layout) runs on ``device``."""
@@ -379,24 +457,48 @@ class HSTUObjectives(nn.Module):
         return self.attention == "fused" or (device.type == "cuda" and importlib.util.find_spec("triton") is not None)
 
     def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed retrieval and ranking losses over every position of every history."""
+        """Summed retrieval and (weighted) ranking losses over every position of every history."""
         return self.losses(*self.dense_inputs(batch, embeddings))
 
-    def dense_inputs(self, batch: HSTUBatch, embeddings, static: bool = False) -> DenseInputs | JaggedInputs:
+    def dense_inputs(self, batch: HSTUBatch, embeddings, static: bool = False,
+                     training: bool = True) -> DenseInputs | JaggedInputs:
+        """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives."""
         lengths = batch.sequence_lengths()
         items = embeddings["item"].values()
-        negatives = embeddings["item_neg"].values()
-        negatives = negatives.view(len(lengths), -1, negatives.shape[-1])
+        looked_up = embeddings["item_neg"].values()
+        negatives, negative_ids = (self._negatives(batch, looked_up, len(lengths)) if training
+                                   else (looked_up[:0], batch.features["item_neg"].values()[:0]))
         events, user = items + embeddings["action"].values(), embeddings["user"].values()
         times, actions = batch.features["time"].values(), batch.features["action"].values()
+        target_ids = batch.features["item"].values()
         if self.fused(items.device):
             capacity = token_capacity(len(items), self.max_events * len(lengths)) if static else len(items)
             pad = functools.partial(_pad_rows, rows=capacity)
             return JaggedInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
-                                times=pad(times), actions=pad(actions), lengths=lengths)
+                                times=pad(times), actions=pad(actions), target_ids=pad(target_ids),
+                                negative_ids=negative_ids, lengths=lengths)
         pad = Padding(lengths, len(items), self.max_events if static else None)
         return DenseInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
-                           times=pad(times), actions=pad(actions), mask=pad.mask)
+                           times=pad(times), actions=pad(actions), target_ids=pad(target_ids),
+                           negative_ids=negative_ids, mask=pad.mask)
+
+    def _negatives(self, batch: HSTUBatch, looked_up: torch.Tensor, batch_size: int):
+        """The ``item_neg`` rows and ids in the shape the retrieval loss takes (see ``DenseInputs``)."""
+        if self.retrieval == "full":
+            return self._catalogue(looked_up)
+        ids = batch.features["item_neg"].values()
+        if self.retrieval == "sampled":
+            return looked_up.view(batch_size, -1, looked_up.shape[-1]), ids.view(batch_size, -1)
+        return looked_up[:0], ids[:0]  # in_batch: the targets are the negatives
+
+    def _catalogue(self, looked_up: torch.Tensor):
+        """The full softmax's negatives: the item table's rows, looked up in order, and their ids."""
+        if self.catalogue is not None and len(looked_up) != self.catalogue:
+            raise ValueError(f"retrieval='full' scores every event against the whole item table, which "
+                             f"HSTURecommender.sparse_features puts under 'item_neg' ({self.catalogue} rows); these "
+                             f"embeddings have {len(looked_up)} 'item_neg' rows: look them up from "
+                             f"model.sparse_features(batch)")
+        return looked_up, torch.arange(len(looked_up), device=looked_up.device)  # row i is item i
 
     def losses(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed losses of ``dense_inputs``' tensors (either layout)."""
@@ -404,38 +506,64 @@ class HSTUObjectives(nn.Module):
             return self._jagged_losses(*inputs)
         return self._padded_losses(*inputs)
 
-    def _padded_losses(self, events, targets, user, negatives, times, actions, mask):
+    def _padded_losses(self, events, targets, user, negatives, times, actions, target_ids, negative_ids, mask):
         hidden = self.encode(events, user, times, mask)
-        # The state before each event predicts that event; padded positions are computed and masked out.
-        # Each position is scored against its own sample's negatives, so the summed loss is additive over
-        # samples (how the ranks split a global batch does not change it).
-        return self._sums(hidden[:, :-1], targets, actions, mask.to(torch.float32),
-                          lambda query: query @ F.normalize(negatives, dim=-1).transpose(1, 2))
 
-    def _jagged_losses(self, events, targets, user, negatives, times, actions, lengths):
+        def negative_scores(query):  # [B, L, negatives]
+            if self.retrieval == "sampled":  # each sample's own negatives, for each of its positions
+                return query @ F.normalize(negatives, dim=-1).transpose(1, 2), negative_ids[:, None, :]
+            return self._pool_scores(query, negatives, negative_ids, targets.flatten(0, 1), target_ids.flatten())
+
+        # The state before each event predicts that event; padded positions are computed and masked out.
+        return self._sums(hidden[:, :-1], targets, actions, target_ids, mask.to(torch.float32), negative_scores)
+
+    def _jagged_losses(self, events, targets, user, negatives, times, actions, target_ids, negative_ids, lengths):
         hidden, layout = self.encode_jagged(events, user, times, lengths)
         sample = layout.sample.clamp(max=len(lengths) - 1)
-        batch, negative_count = negatives.shape[:2]
+        rows = torch.arange(len(sample), device=sample.device)
 
-        def negative_scores(query):  # [C, B * K] in one product, then each event's own sample's K
-            every = query @ F.normalize(negatives, dim=-1).flatten(0, 1).T
-            return every.view(len(query), batch, negative_count)[torch.arange(len(query), device=query.device), sample]
+        def negative_scores(query):  # [C, negatives]
+            if self.retrieval == "sampled":  # [C, B * K] in one product, then each event's own sample's K
+                batch, count = negatives.shape[:2]
+                every = query @ F.normalize(negatives, dim=-1).flatten(0, 1).T
+                return every.view(len(query), batch, count)[rows, sample], negative_ids[sample]
+            return self._pool_scores(query, negatives, negative_ids, targets, target_ids)
 
-        return self._sums(hidden.index_select(0, layout.event_token - 1), targets, actions,
+        return self._sums(hidden.index_select(0, layout.event_token - 1), targets, actions, target_ids,
                           layout.real.to(torch.float32), negative_scores)
 
-    def _sums(self, predicting, targets, actions, weight, negative_scores) -> tuple[torch.Tensor, torch.Tensor]:
-        """Retrieval (sampled softmax, the positive at 0) and ranking (next action) losses summed over the
-        positions of ``weight`` (the padded [B, L] or jagged [C] layout alike)."""
+    def _pool_scores(self, query, negatives, negative_ids, targets, target_ids):
+        """Scores against one pool shared by every position: the item table (``full``) or the targets of
+        the whole batch (``in_batch``), and the pool's ids."""
+        if self.retrieval == "in_batch":
+            negatives, negative_ids = targets, target_ids
+        return query @ F.normalize(negatives, dim=-1).T, negative_ids
+
+    def _sums(self, predicting, targets, actions, target_ids, weight, negative_scores):
+        """Retrieval (softmax over the target and the negatives) and weighted ranking (next action) losses
+        summed over the positions of ``weight`` (the padded [B, L] or jagged [C] layout alike).
+        ``negative_scores(query)`` gives the negatives' cosine scores and their ids; a negative that is the
+        target itself (an accidental hit) or no item (id 0) is left out of the softmax."""
         query = F.normalize(predicting, dim=-1)
-        positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
-        logits = torch.cat([positive, negative_scores(query)], dim=-1) / self.temperature
-        retrieval = torch.logsumexp(logits.float(), dim=-1) - logits[..., 0].float()  # CE with the positive at 0
-        ranking_logits = self.ranking_head(torch.cat([predicting, targets], dim=-1)).float()
-        ranking = F.cross_entropy(ranking_logits.reshape(-1, ranking_logits.shape[-1]), actions.reshape(-1),
-                                  reduction="none")
-        weight = weight.to(retrieval.dtype)
-        return (retrieval * weight).sum(), (ranking.view_as(weight) * weight).sum()
+        scores, ids = negative_scores(query)
+        weight = weight.to(torch.float32)
+        if self.retrieval == "full":  # the target is among the scored rows already: plain cross-entropy
+            logits = scores.index_fill(-1, ids[:1], -math.inf).float() / self.temperature
+            retrieval = F.cross_entropy(logits.flatten(0, -2), target_ids.flatten(), ignore_index=0,
+                                        reduction="none").view_as(weight)
+        else:
+            positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
+            scores = scores.masked_fill((ids == target_ids[..., None]) | (ids == 0), -math.inf)
+            logits = torch.cat([positive, scores], dim=-1).float() / self.temperature
+            retrieval = torch.logsumexp(logits, dim=-1) - logits[..., 0]  # CE with the positive at 0
+        return (retrieval * weight).sum(), self._ranking(predicting, targets, actions, weight)
+
+    def _ranking(self, predicting, targets, actions, weight) -> torch.Tensor:
+        if self.ranking_head is None:
+            return weight.new_zeros(())
+        logits = self.ranking_head(torch.cat([predicting, targets], dim=-1)).float()
+        ranking = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), actions.reshape(-1), reduction="none")
+        return self.ranking_weight * (ranking.view_as(weight) * weight).sum()
 
     def encode(self, events, user, times, mask) -> torch.Tensor:
         """Padded: hidden states [B, 1 + L, D] over (user token, events)."""
@@ -452,12 +580,29 @@ class HSTUObjectives(nn.Module):
 
     def last_states(self, batch: HSTUBatch, embeddings) -> torch.Tensor:
         """[B, D] each history's state after its last event (what ranks the next item)."""
-        inputs = self.dense_inputs(batch, embeddings)
+        inputs = self.dense_inputs(batch, embeddings, training=False)
         if isinstance(inputs, JaggedInputs):
             hidden, layout = self.encode_jagged(inputs.events, inputs.user, inputs.times, inputs.lengths)
             return hidden[layout.token_offsets[1:] - 1]
         hidden = self.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
         return hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]
+
+
+def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
+    """``features`` with ``item_neg`` replaced by the item ids ``0 .. rows - 1``, all on the first sample.
+    Uses the per-key lengths the batch already knows: no host sync."""
+    keys, stride = features.keys(), features.stride()
+    values, lengths, per_key = [], [], []
+    for key in keys:
+        if key == "item_neg":
+            ids = torch.arange(rows, device=features.values().device, dtype=features.values().dtype)
+            count = torch.zeros(stride, device=ids.device, dtype=features.lengths().dtype)
+            values.append(ids), lengths.append(count.index_fill(0, torch.zeros_like(count[:1]), rows)), per_key.append(rows)
+        else:
+            jagged = features[key]
+            values.append(jagged.values()), lengths.append(jagged.lengths()), per_key.append(len(jagged.values()))
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=stride,
+                             length_per_key=per_key)
 
 
 def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
@@ -466,9 +611,14 @@ def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
-    """Item ids (also the sampled negatives), actions and users; row 0 of item and user means none."""
+    """Item ids (also the negatives), actions and users; row 0 of item and user means none. Every table
+    starts at the item table's scale (TorchRec's default, uniform within 1/sqrt(rows)): an event is the sum
+    of its item's and its action's rows, and by the default the 5-row action table would start 18 times
+    larger than the item rows on ML-100K and drown them."""
+    bound = (num_items + 1) ** -0.5
+    scale = dict(embedding_dim=dim, weight_init_min=-bound, weight_init_max=bound)
     return [
-        EmbeddingConfig(name="item", embedding_dim=dim, num_embeddings=num_items + 1, feature_names=["item", "item_neg"]),
-        EmbeddingConfig(name="action", embedding_dim=dim, num_embeddings=num_actions, feature_names=["action"]),
-        EmbeddingConfig(name="user", embedding_dim=dim, num_embeddings=num_users + 1, feature_names=["user"]),
+        EmbeddingConfig(name="item", num_embeddings=num_items + 1, feature_names=["item", "item_neg"], **scale),
+        EmbeddingConfig(name="action", num_embeddings=num_actions, feature_names=["action"], **scale),
+        EmbeddingConfig(name="user", num_embeddings=num_users + 1, feature_names=["user"], **scale),
     ]

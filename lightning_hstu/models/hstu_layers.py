@@ -36,6 +36,16 @@ class HSTUConfig:
     time_buckets: int = 64
     """Relative time biases are learned per log2 bucket of the seconds between two events."""
     dropout: float = 0.0
+    """Dropout on each layer's output, before the residual add."""
+    position_embedding: bool = False
+    """Add a learned absolute position embedding (one row per position up to ``max_seq_len``) to the tokens
+    before the first layer: the relative bias says how far apart two events are, this says how far into the
+    history an event is."""
+    scale_inputs: bool = False
+    """Multiply the input tokens by sqrt(embedding_dim) before the position embedding, which keeps the
+    embeddings from being drowned by the position rows (both start at the same scale)."""
+    input_dropout: float = 0.0
+    """Dropout on the input tokens (after the position embedding), before the first layer."""
 
 
 class RelativeBias(nn.Module):
@@ -166,18 +176,35 @@ class HSTUStack(nn.Module):
     def __init__(self, config: HSTUConfig):
         super().__init__()
         self.config, self.max_seq_len = config, config.max_seq_len
+        self.position = nn.Embedding(config.max_seq_len, config.embedding_dim) if config.position_embedding else None
+        if self.position is not None:  # at the scale of the (scaled) item rows, not torch's N(0, 1)
+            nn.init.trunc_normal_(self.position.weight, std=config.embedding_dim ** -0.5)
+        self.input_dropout = nn.Dropout(config.input_dropout)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         """Padded: x ``[B, L, D]``, mask and timestamps ``[B, L]``."""
         relative = self.layers[0].bias.indices(timestamps) if len(self.layers) else None
-        return self._run(x, PaddedTokens(mask, relative))
+        tokens = PaddedTokens(mask, relative)
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        return self._run(tokens.keep(self._inputs(x, positions)), tokens)
 
     def jagged(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         """Jagged: x ``[N, D]``, ``offsets`` ``[B + 1]``, timestamps ``[N]``; sequences of at most
         ``max_seq_len`` tokens."""
-        return self._run(x, JaggedTokens(offsets, timestamps, self.max_seq_len))
+        rows = torch.arange(len(x), device=x.device)
+        sequence = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=len(offsets) - 2)
+        positions = (rows - offsets[sequence]).clamp(0, self.max_seq_len - 1)  # rows past the real ones: any
+        return self._run(self._inputs(x, positions), JaggedTokens(offsets, timestamps, self.max_seq_len))
+
+    def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout."""
+        if self.config.scale_inputs:
+            x = x * self.config.embedding_dim ** 0.5
+        if self.position is not None:
+            x = x + self.position(positions)
+        return self.input_dropout(x)
 
     def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens) -> torch.Tensor:
         for layer in self.layers:

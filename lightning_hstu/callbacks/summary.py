@@ -1,0 +1,42 @@
+"""One line at the end of fit: how many samples were trained, how fast, and the wall time."""
+
+import time
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class FitSummary(Callback):
+    """Prints ``trained N samples in E epochs: X samples/s; fit T s`` when fit ends, and the wall time
+    since the callback was made (about the start of the command: configuration, data, model building and
+    fit) after the test when one follows. Samples are this rank's training samples times the world size."""
+
+    def __init__(self):
+        self.created = time.perf_counter()
+        self._start: float | None = None
+        self.samples = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples += _batch_size(batch) * trainer.world_size
+
+    @rank_zero_only
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self._start is None:
+            return
+        seconds = time.perf_counter() - self._start
+        print(f"\ntrained {self.samples:,} samples in {trainer.current_epoch} epochs: "
+              f"{self.samples / seconds:,.0f} samples/s; fit {seconds:.1f} s (validation included), "
+              f"{time.perf_counter() - self.created:.1f} s since start")
+
+    @rank_zero_only
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage == "test":  # after every callback's on_test_end (the progress bar's last line included)
+            print(f"wall time {time.perf_counter() - self.created:.1f} s (start-up, fit, test)")
+
+
+def _batch_size(batch) -> int:
+    size = getattr(batch, "size", None)
+    return size if isinstance(size, int) else len(batch)

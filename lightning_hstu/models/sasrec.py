@@ -1,0 +1,80 @@
+"""SASRec ("Self-Attentive Sequential Recommendation", Kang and McAuley 2018), the baseline HSTU is measured
+against: item embeddings plus learned positions, causal softmax self-attention blocks, and the next item
+scored by the dot product with the (shared) item embeddings, trained with a full softmax over the
+catalogue. Plain PyTorch under any Lightning strategy; the same data module (``HSTUBatch`` histories;
+the action, time and user features are not used) and the same evaluation (``RankingEvaluation``) as HSTU.
+"""
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..hstu.batch import HSTUBatch
+from .hstu_layers import Padding
+from .ranking import RankingEvaluation
+
+
+class SASRecRecommender(RankingEvaluation, pl.LightningModule):
+    def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 1, max_seq_len: int = 200,
+                 dropout: float = 0.2, lr: float = 1e-3, weight_decay: float = 0.0, num_items: int | None = None):
+        super().__init__()
+        if embedding_dim % num_heads:
+            raise ValueError(f"embedding_dim ({embedding_dim}) must be divisible by num_heads ({num_heads})")
+        self.save_hyperparameters()
+        self.items: nn.Embedding | None = None  # sized by the data in configure_model, unless num_items is given
+        self.positions = nn.Embedding(max_seq_len, embedding_dim)
+        self.dropout = nn.Dropout(dropout)
+        block = nn.TransformerEncoderLayer(embedding_dim, num_heads, dim_feedforward=embedding_dim, dropout=dropout,
+                                           activation="relu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, num_layers, norm=nn.LayerNorm(embedding_dim),
+                                            enable_nested_tensor=False)
+        nn.init.xavier_normal_(self.positions.weight)
+        if num_items is not None:
+            self._make_items(num_items)
+
+    def _make_items(self, num_items: int) -> None:
+        self.num_items = num_items
+        self.items = nn.Embedding(num_items + 1, self.hparams.embedding_dim, padding_idx=0)
+        with torch.no_grad():  # Xavier, as the paper's code: N(0, 1) rows make the first logits huge
+            nn.init.xavier_normal_(self.items.weight)
+            self.items.weight[0] = 0
+    def configure_model(self) -> None:
+        if self.items is None:
+            self._make_items(self.trainer.datamodule.num_items)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    def encode(self, batch: HSTUBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [B, L, D] of the histories padded to the batch's longest (histories start at
+        position 0, so the causal mask alone keeps padding out of every real position), and the mask."""
+        history = batch.features["item"]
+        if history.lengths().max() > self.hparams.max_seq_len:
+            raise ValueError(f"a history of {int(history.lengths().max())} events is longer than the model's "
+                             f"max_seq_len={self.hparams.max_seq_len}: make the data module's max_seq_len equal")
+        padding = Padding(history.lengths(), len(history.values()))
+        ids, mask = padding(history.values()), padding.mask
+        length = ids.shape[1]
+        x = self.items(ids) * self.hparams.embedding_dim ** 0.5 + self.positions.weight[:length]
+        x = self.dropout(x) * mask[..., None]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+        return self.blocks(x, mask=causal, is_causal=True), mask
+
+    def training_step(self, batch: HSTUBatch, batch_idx: int):
+        """Every position predicts its next item, softmax over all items (id 0 excluded)."""
+        hidden, mask = self.encode(batch)
+        ids = Padding(batch.sequence_lengths(), len(batch.features["item"].values()))(batch.features["item"].values())
+        logits = hidden[:, :-1][mask[:, 1:]] @ self.items.weight.T
+        logits[:, 0] = -torch.inf
+        loss = F.cross_entropy(logits, ids[:, 1:][mask[:, 1:]])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
+        return loss
+
+    def score_items(self, batch: HSTUBatch) -> torch.Tensor:
+        hidden, mask = self.encode(batch)
+        last = hidden[torch.arange(len(mask), device=mask.device), mask.sum(1) - 1]
+        return last @ self.items.weight.T
+
+    def evaluation_weights(self) -> list[torch.Tensor]:
+        return list(self.parameters())

@@ -1,0 +1,94 @@
+"""The evaluation a user reads: the best validation epoch's weights tested once, the report beside other
+models' runs and the most-popular baseline, and the SASRec baseline on the same data and metrics."""
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+from small_hstu import small_data
+
+from lightning_hstu.callbacks import FitSummary, RankingReport
+from lightning_hstu.data.evaluation import METRICS, RANKINGS
+from lightning_hstu.models.sasrec import SASRecRecommender
+
+SMALL_SASREC = dict(embedding_dim=16, num_layers=1, num_heads=2, max_seq_len=32, dropout=0.0, lr=0.01)
+
+
+class PeaksAtEpoch1(SASRecRecommender):
+    """Logs a validation score that is best at epoch 1 (of 3)."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("val/score", float(self.current_epoch == 1), batch_size=batch.size)
+
+
+class WeightsAtValidation(Callback):
+    def __init__(self):
+        self.by_epoch = {}
+
+    def on_validation_end(self, trainer, pl_module):
+        self.by_epoch[trainer.current_epoch] = [w.detach().clone() for w in pl_module.evaluation_weights()]
+
+
+def fit_and_test(tmp_path, model, report, epochs=3, extra=()):
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[report, *extra])
+    data = small_data(negatives=0)
+    trainer.fit(model, data)
+    trainer.test(model, datamodule=data, verbose=False)
+    return trainer
+
+
+def test_the_test_runs_with_the_best_validation_epochs_weights(tmp_path):
+    seen = WeightsAtValidation()
+    report = RankingReport(monitor="val/score")
+    model = PeaksAtEpoch1(**SMALL_SASREC)
+    fit_and_test(tmp_path, model, report, extra=[seen])
+    assert report.best_epoch == 1
+    for live, best, last in zip(model.evaluation_weights(), seen.by_epoch[1], seen.by_epoch[2]):
+        assert torch.equal(live, best)
+    assert not all(torch.equal(b, c) for b, c in zip(seen.by_epoch[1], seen.by_epoch[2]))  # training moved on
+
+
+def test_the_report_sets_runs_of_the_same_data_side_by_side(tmp_path, capsys):
+    first = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(name="SASRec-a"), epochs=1)
+    saved = json.loads((Path(first.log_dir) / "ranking.json").read_text())
+    assert saved["model"] == "SASRec-a" and set(saved["metrics"]) == set(RANKINGS)
+    assert set(saved["metrics"]["all"]) == set(METRICS)
+    capsys.readouterr()
+    second = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(), epochs=1,
+                          extra=[FitSummary()])
+    out = capsys.readouterr().out
+    full_batches = len(second.datamodule.train_histories) // 8 * 8
+    assert f"trained {full_batches} samples in 1 epochs" in out  # every full batch of 8
+    report = out[out.index("test ("):]
+    for label in RANKINGS.values():
+        block = report[report.index(label):]
+        rows = [line.split()[0] for line in block.splitlines()[2:5]]
+        assert rows == ["SASRec", "SASRec-a", "most"], block  # this run, the earlier one, the baseline
+    assert report.count("version_0") == 2  # the earlier run's directory, named in each block
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_sasrec_trains_on_the_history_batches_and_is_tested_under_both_rankings(tmp_path):
+    losses = Losses()
+    trainer = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(), epochs=4, extra=[losses])
+    per_epoch = len(losses.losses) // 4
+    assert sum(losses.losses[-per_epoch:]) < sum(losses.losses[:per_epoch])
+    for ranking in RANKINGS:
+        for metric in METRICS:
+            assert 0.0 <= float(trainer.callback_metrics[f"test/{ranking}/{metric}"]) <= 1.0
+    assert trainer.callback_metrics["test/unseen/MRR"] >= trainer.callback_metrics["test/all/MRR"]
