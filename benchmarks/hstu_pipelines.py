@@ -212,7 +212,8 @@ def measure_trainer(mode, strategy, sizes, batches, warmup, steps, repeats, devi
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
-    trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=world, use_distributed_sampler=False,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=total,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -330,11 +331,11 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
-    if not args.no_user_path and world == 1:
+    if not args.no_user_path:
         results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
         if device.type == "cuda" and best:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
-    if not args.no_lightning and world == 1:
+    if not args.no_lightning:
         results.append(user_path("Lightning loop", engine=False))
     if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
         results.append(measure_("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device)))

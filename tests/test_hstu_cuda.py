@@ -145,6 +145,7 @@ class GraphUse(Callback):
     def on_train_end(self, trainer, pl_module):
         graphed = pl_module.hstu_graphs()["forward"]
         self.replays, self.eager_calls, self.graphs = graphed.replays, graphed.eager_calls, len(graphed.graphs)
+        self.capacities = getattr(graphed, "capacities", None)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,14 @@ def test_random_host_delays_change_nothing_with_graphs(padded_eager):
                          padded_eager)
 
 
+class CapacityLog(GraphedMethod):
+    """Records the token capacity (rows of the padded events) of every call."""
+
+    def __call__(self, *args):
+        self.capacities.append(args[0].shape[0])
+        return super().__call__(*args)
+
+
 class FusedGraphs(HSTURecommender):
     """Fused attention, each token capacity captured after its first (eager) call."""
 
@@ -180,16 +189,9 @@ class FusedGraphs(HSTURecommender):
 
     def hstu_graphs(self):
         if self._graphed is None:
-            self._graphed = GraphedMethod(self.objectives, "losses", warmup=self.warmup, max_graphs=STEPS)
+            self._graphed = CapacityLog(self.objectives, "losses", warmup=self.warmup, max_graphs=STEPS)
+            self._graphed.capacities = []
         return {"forward": self._graphed}
-
-
-def training_capacities():
-    """The token capacity of each of the first STEPS training batches (one rank: no reshuffling)."""
-    data = SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8)
-    data.setup()
-    batches = [b for b, _ in zip(data.train_dataloader(), range(STEPS))]
-    return [token_capacity(int(b.sequence_lengths().sum()), 64 * 16) for b in batches]
 
 
 @pytest.mark.parametrize("preset", ["legacy_none", "full_split_d6"])
@@ -203,8 +205,13 @@ def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its
     eager = train(preset, FusedEager, callbacks=[eager_use], capture_graphs=True, attention="fused")
     graphed = train(preset, FusedGraphs, callbacks=[use], capture_graphs=True, attention="fused")
     assert_close_weights(graphed, eager)
-    distinct = len(set(training_capacities()))
-    assert (use.eager_calls, use.replays, use.graphs) == (distinct, STEPS - distinct, distinct)
+    capacities = use.capacities
+    assert len(capacities) == STEPS
+    assert all(token_capacity(c, 64 * 16) == c for c in capacities), capacities  # a few per power of two
+    # the first call of a capacity runs eagerly; it is captured between that step and the next, so a
+    # capacity first seen at the last step is never captured
+    distinct, captured = len(set(capacities)), len(set(capacities[:-1]))
+    assert (use.eager_calls, use.replays, use.graphs) == (distinct, STEPS - distinct, captured)
     assert use.replays > 0 and eager_use.replays == 0
 
 
@@ -221,8 +228,9 @@ def test_the_fused_attention_trains_like_the_padded_reference():
     fused_losses, padded_losses = Losses(), Losses()
     fused = train("default_d6", callbacks=[fused_losses], attention="fused")
     padded = train("default_d6", callbacks=[padded_losses], attention="padded")
-    torch.testing.assert_close(torch.tensor(fused_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-5,
-                               atol=1e-6)
+    # fp32 sums in another order; the temperature (0.05) scales logit differences 20x
+    torch.testing.assert_close(torch.tensor(fused_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-4,
+                               atol=1e-5)
     assert_close_weights(fused, padded)
 
 
