@@ -52,7 +52,8 @@ def main():
     print(f"# {platform.node()}: {platform.processor() or platform.machine()}, "
           f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
     print(f"# {args.steps} steps per run, median of {args.repeats} runs (spread = max - min)")
-    header = f"{'preset':<24} {'threads':>7} {'plain us/step':>13} {'engine us/step':>14} {'spread':>7} {'overhead us/task':>16}"
+    header = (f"{'preset':<24} {'threads':>7} {'plain us/step':>13} {'engine us/step':>14} {'spread':>7} "
+              f"{'overhead us/task':>16}")
     print(header)
     print("-" * len(header))
     for name in PRESET_NAMES:

@@ -25,7 +25,8 @@ SWEEP = [  # candidate launch settings (each one checked against the reference b
     {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)} for m, n, w, s in
     [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)]
 ] + [
-    {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+    {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
+     "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
     for m, n, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)]
 ]
 
@@ -161,7 +162,8 @@ def main():
                 continue
             bwd = total - fwd
             print(f"{str(override) or 'default':80} fwd {fwd:7.3f} ms {fwd_flops / fwd / 1e9:6.1f} TFLOP/s | "
-                  f"bwd {bwd:7.3f} ms {2 * fwd_flops / bwd / 1e9:6.1f} (2x) {2.5 * fwd_flops / bwd / 1e9:6.1f} (2.5x) | "
+                  f"bwd {bwd:7.3f} ms {2 * fwd_flops / bwd / 1e9:6.1f} (2x) "
+                  f"{2.5 * fwd_flops / bwd / 1e9:6.1f} (2.5x) | "
                   f"fwd+bwd {total:7.3f} ms {3 * fwd_flops / total / 1e9:6.1f} TFLOP/s")
         kernel.kernel_configs = default
         if args.padded and name == "heavy":

@@ -22,9 +22,10 @@ seed: L=4096, width 128, 10 layers, 4 heads x 128 (the seed engine's benchmark s
 
 ``--attention padded fused`` runs every mode with the padded reference attention and with the fused
 jagged kernel, one block each; ``--shuffler balanced identity`` (several ranks) with and without the
-workload-balanced shuffle, so that its cost and what the engine hides of it show. MFU: the model FLOPs of the measured batches
-(``HSTUObjectives.training_flops``, the formula in BENCHMARKS.md) over the step time, against the H200's
-989 TFLOP/s dense bf16 peak ("of 790": against the 790 TFLOP/s a bf16 matrix product reaches there).
+workload-balanced shuffle, so that its cost and what the engine hides of it show. MFU: the model FLOPs of
+the measured batches (``HSTUObjectives.training_flops``, the formula in BENCHMARKS.md) over the step time,
+against the H200's 989 TFLOP/s dense bf16 peak ("of 790": against the 790 TFLOP/s a bf16 matrix product
+reaches there).
 "peak GiB": the most GPU memory allocated during the mode.
 """
 
@@ -44,14 +45,14 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, get_plan
-from lightning_hstu.hstu.graphs import GraphedMethod
-from lightning_hstu.plan import GRAPH_TASKS
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
+from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
 from lightning_hstu.hstu.shuffler import BalancedShuffler
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
+from lightning_hstu.plan import GRAPH_TASKS
 
 WORKLOADS = {
     "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
@@ -122,8 +123,8 @@ def run_plain(model, optimizer, autocast):
 
 
 def run_pipeline(model, optimizer, autocast, device):
-    pipeline = TrainPipelineSparseDist(PipelineModel(model, autocast), FinalizingOptimizer(optimizer, model.dense_grads),
-                                       device)
+    pipeline = TrainPipelineSparseDist(PipelineModel(model, autocast),
+                                       FinalizingOptimizer(optimizer, model.dense_grads), device)
 
     def run(batches):
         iterator = iter([PipelineBatch.of(b) for b in batches])

@@ -140,7 +140,8 @@ def _json_or_name(text: str, option: str):
 def _presets(args: argparse.Namespace) -> int:
     capturable = GRAPH_TASKS if args.capture_graphs else ()
     custom = _custom_plan(args, capturable)
-    plans = [custom] if custom is not None else [get_plan(n, capturable=capturable) for n in (args.names or PRESET_NAMES)]
+    plans = ([custom] if custom is not None
+             else [get_plan(n, capturable=capturable) for n in (args.names or PRESET_NAMES)])
     if args.verbose:
         print("\n\n".join(plan.describe() for plan in plans))
     else:

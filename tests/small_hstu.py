@@ -7,4 +7,5 @@ SMALL_MODEL = dict(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8,
 
 
 def small_data(**kwargs):
-    return SyntheticHistories(**{**dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4), **kwargs})
+    defaults = dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4)
+    return SyntheticHistories(**{**defaults, **kwargs})

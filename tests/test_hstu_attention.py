@@ -114,7 +114,8 @@ def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device):
     """A static token capacity: rows past offsets[-1] belong to no sequence."""
     q, k, v, offsets, times, _ = jagged_batch([7, 12], 2, 16, 16, 8, device)
     extra = 5
-    grown = [torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_() for t in (q, k, v)]
+    grown = [torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_()
+             for t in (q, k, v)]
     times = torch.cat([times, torch.full((extra,), 10**6, device=device)])
     bias = bias_tables(16, 8, device)
     out = kernel.hstu_attention(*grown, offsets, times, bias.position, bias.time, 16)

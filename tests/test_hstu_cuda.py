@@ -10,17 +10,17 @@ import time
 from collections import Counter
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
 from lightning_hstu.callbacks import CollectiveInventoryCallback, TraceCallback
 from lightning_hstu.callbacks.collectives import format_inventory
-from lightning_hstu.plan import EdgeKind
 from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.models.hstu import HSTURecommender, token_capacity
+from lightning_hstu.plan import EdgeKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

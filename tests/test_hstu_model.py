@@ -20,8 +20,8 @@ from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
-from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.loop import global_token_loss
+from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
@@ -42,7 +42,8 @@ def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, m
     model = model_cls(**{**SMALL_MODEL, **(model_kwargs or {})})
     trainer = pl.Trainer(strategy=strategy or HSTUPipelineStrategy("full_split_d6"), accelerator="cpu", devices=1,
                          max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *callbacks], **trainer_kwargs)
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *callbacks],
+                         **trainer_kwargs)
     trainer.fit(model, small_data())
     return model, trainer, recorder
 
@@ -64,7 +65,8 @@ def test_validation_reports_the_ranking_metrics_under_both_rankings():
     _, trainer, _ = fit_hstu(epochs=1)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     for ranking in ("all", "unseen"):
-        assert 0.0 <= metrics[f"val/{ranking}/HR@1"] <= metrics[f"val/{ranking}/HR@10"] <= metrics[f"val/{ranking}/HR@50"] <= 1
+        hr1, hr10, hr50 = (metrics[f"val/{ranking}/HR@{k}"] for k in (1, 10, 50))
+        assert 0.0 <= hr1 <= hr10 <= hr50 <= 1
         assert metrics[f"val/{ranking}/NDCG@10"] <= metrics[f"val/{ranking}/HR@10"]
     assert metrics["val/unseen/MRR"] >= metrics["val/all/MRR"]  # fewer items ahead of the target
 

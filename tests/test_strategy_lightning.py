@@ -8,10 +8,10 @@ import threading
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
 from conftest import engine_threads
 from lightning_runs import assert_same_weights, fit
@@ -80,7 +80,8 @@ def test_hooks_logging_validation_checkpoints_and_early_stopping_match_lightning
     assert (trainer.current_epoch, trainer.global_step) == (e_trainer.current_epoch, e_trainer.global_step)
     assert trainer.current_epoch < FEATURES["max_epochs"]  # early stopping did stop it
     assert model.autocast_seen  # bf16 autocast entered on the worker thread that ran training_step
-    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == e_trainer.lr_scheduler_configs[0].scheduler.last_epoch
+    scheduler, e_scheduler = trainer.lr_scheduler_configs[0].scheduler, e_trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == e_scheduler.last_epoch
     assert_same_weights(model, e_model)
 
 

@@ -7,4 +7,5 @@ from .summary import FitSummary
 from .timing import TaskTimingCallback
 from .trace import GanttCallback, TraceCallback
 
-__all__ = ["CollectiveInventoryCallback", "FitSummary", "GanttCallback", "NVTXCallback", "RankingReport", "TaskTimingCallback", "TraceCallback"]
+__all__ = ["CollectiveInventoryCallback", "FitSummary", "GanttCallback", "NVTXCallback", "RankingReport",
+           "TaskTimingCallback", "TraceCallback"]

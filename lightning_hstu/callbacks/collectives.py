@@ -117,7 +117,8 @@ class CollectiveInventoryCallback(Callback):
         dist.all_gather_object(every, mine)
         for rank, theirs in enumerate(every):
             if theirs != every[0]:
-                at = next((i for i, (a, b) in enumerate(zip(every[0], theirs)) if a != b), min(len(every[0]), len(theirs)))
+                at = next((i for i, (a, b) in enumerate(zip(every[0], theirs)) if a != b),
+                          min(len(every[0]), len(theirs)))
                 first = lambda seq: seq[at] if at < len(seq) else "nothing"  # noqa: E731
                 raise RuntimeError(f"collectives differ between ranks: rank 0 launched {len(every[0])}, rank {rank} "
                                    f"{len(theirs)}; first difference at position {at}: rank 0 {first(every[0])}, "

@@ -111,7 +111,8 @@ def write_trace(plan: Plan, records: list[TaskRecord], path: Path, device_slices
     origin = min([r.start - r.wait for r in records] + [d.start for d in device_slices])
     us = lambda t: round((t - origin) * 1e6, 3)  # noqa: E731
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"lightning-hstu engine ({plan.name})"}}]
-    events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": t}} for i, t in enumerate(threads)]
+    events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": t}}
+               for i, t in enumerate(threads)]
     ends = {}
     for r in records:
         task = plan.task(r.task)

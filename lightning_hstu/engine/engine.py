@@ -527,7 +527,8 @@ class Engine:
         blocked = [p for p in scheduled.host_waits
                    if self._wait(thread, step, p, ("waiting for", p, name, batch))]
         holder = step.shape.ticket_prev.get(name)
-        if holder is not None and self._wait(thread, step, holder, ("waiting for the ticket after", holder, name, batch)):
+        if holder is not None and self._wait(thread, step, holder,
+                                             ("waiting for the ticket after", holder, name, batch)):
             blocked.append(holder)
         return tuple(blocked)
 

@@ -68,7 +68,8 @@ def _summary(task: str, runs: list[TaskRecord]) -> TaskSummary:
 
 
 def format_summary(summaries: list[TaskSummary]) -> str:
-    header = f"{'task':<24} {'thread':<14} {'runs':>5} {'skip':>5} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'wait ms':>8}"
+    header = (f"{'task':<24} {'thread':<14} {'runs':>5} {'skip':>5} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'wait ms':>8}")
     rows = [f"{s.task:<24} {s.thread:<14} {s.count:>5} {s.skipped:>5} {s.mean_ms:>8.3f} {s.p50_ms:>8.3f} "
             f"{s.p99_ms:>8.3f} {s.wait_ms:>8.3f}" for s in summaries]
     return "\n".join([header, "-" * len(header), *rows])

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import BoundsCheckMode, CacheParams, ShardingEnv, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor

@@ -258,8 +258,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             return None
         batch = self._last_batch
         lengths = batch.sequence_lengths().tolist()
-        rows = self.num_items + 1 if self.objectives.retrieval == "full" else batch.features["item_neg"].values().numel()
-        return self.objectives.training_flops(lengths, self.objectives.negatives_per_event(batch.size, sum(lengths), rows))
+        rows = (self.num_items + 1 if self.objectives.retrieval == "full"
+                else batch.features["item_neg"].values().numel())
+        negatives = self.objectives.negatives_per_event(batch.size, sum(lengths), rows)
+        return self.objectives.training_flops(lengths, negatives)
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         self._last_batch = batch  # for flops_per_batch (read only if asked: it waits for the lengths)
@@ -597,7 +599,9 @@ def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
         if key == "item_neg":
             ids = torch.arange(rows, device=features.values().device, dtype=features.values().dtype)
             count = torch.zeros(stride, device=ids.device, dtype=features.lengths().dtype)
-            values.append(ids), lengths.append(count.index_fill(0, torch.zeros_like(count[:1]), rows)), per_key.append(rows)
+            values.append(ids)
+            lengths.append(count.index_fill(0, torch.zeros_like(count[:1]), rows))
+            per_key.append(rows)
         else:
             jagged = features[key]
             values.append(jagged.values()), lengths.append(jagged.lengths()), per_key.append(len(jagged.values()))
@@ -607,7 +611,9 @@ def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
 
 def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
     """``values`` with zero rows appended up to ``rows``."""
-    return values if rows == len(values) else torch.cat([values, values.new_zeros((rows - len(values), *values.shape[1:]))])
+    if rows == len(values):
+        return values
+    return torch.cat([values, values.new_zeros((rows - len(values), *values.shape[1:]))])
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
