@@ -1,7 +1,9 @@
 """The HSTU workload under the engine: every task doing its real job, the watchdog, and the loss that the
 global token count makes independent of how ranks split a global batch."""
 
+import csv
 import json
+import math
 import re
 import subprocess
 import sys
@@ -40,10 +42,10 @@ def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, m
     pl.seed_everything(0, verbose=False)
     recorder = Losses()
     model = model_cls(**{**SMALL_MODEL, **(model_kwargs or {})})
-    trainer = pl.Trainer(strategy=strategy or HSTUPipelineStrategy("full_split_d6"), accelerator="cpu", devices=1,
-                         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *callbacks],
-                         **trainer_kwargs)
+    trainer = pl.Trainer(**{**dict(strategy=strategy or HSTUPipelineStrategy("full_split_d6"), accelerator="cpu",
+                                   devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+                                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                   callbacks=[recorder, *callbacks]), **trainer_kwargs})
     trainer.fit(model, small_data())
     return model, trainer, recorder
 
@@ -241,3 +243,20 @@ def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
     with pytest.raises(ValueError, match=rf"retrieval='full' scores every event against the whole item table.*"
                                          rf"\({rows} rows\); these embeddings have 32 'item_neg' rows"):
         model.objectives(batch, fake)  # 8 histories x 4 sampled negatives
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_the_logger_gets_every_training_metric_at_its_interval(engine, tmp_path):
+    """The loss is logged at every step; its parts only where Lightning writes to the logger: the logger's
+    rows are those of a module that logs everything at every step."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    fit_hstu(strategy=HSTUPipelineStrategy("default_d6", engine=engine), epochs=1, max_steps=7,
+             limit_val_batches=0, log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=0))
+    with open(tmp_path / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for name in ("train/loss", "train/retrieval", "train/ranking"):
+        assert [int(r["step"]) for r in rows if r[name]] == [2, 5], name
+    for row in (r for r in rows if r["train/loss"]):  # the parts of that very step's loss, not of an earlier one
+        parts = float(row["train/retrieval"]) + float(row["train/ranking"])
+        assert math.isclose(float(row["train/loss"]), parts, rel_tol=1e-5), row
