@@ -205,11 +205,12 @@ class _StepRecords(pl.Callback):
 
 
 def measure_trainer(mode, strategy, sizes, batches, warmup, steps, repeats, device, num_items, attention,
-                    balance=True):
+                    balance=True, nonfinite="raise"):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
     ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop)."""
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=balance)
+    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=balance,
+                            on_nonfinite_loss=nonfinite)
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
@@ -311,9 +312,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     def measure_(name, run, passes=0, plan=None):
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
 
-    def user_path(name, **strategy_args):
+    def user_path(name, nonfinite="raise", **strategy_args):
         return measure_trainer(name, HSTUPipelineStrategy(**strategy_args), sizes, batches, args.warmup, args.steps,
-                               args.repeats, device, num_items, attention, balance)
+                               args.repeats, device, num_items, attention, balance, nonfinite)
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
     for preset in args.presets:
@@ -336,6 +337,11 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
         if device.type == "cuda" and best:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
+        if best:  # the loss checked after the step is queued, not before backward (on_nonfinite_loss="stop")
+            results.append(user_path(f"{best}, stop", "stop", preset=best, step_timeout=600))
+            if device.type == "cuda":
+                results.append(user_path(f"{best} + graphs, stop", "stop", preset=best, capture_graphs=True,
+                                         step_timeout=600))
     if not args.no_lightning:
         results.append(user_path("Lightning loop", engine=False))
     if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts

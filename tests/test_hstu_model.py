@@ -92,7 +92,10 @@ class SkipsNonFinite(ExplodesAtBatch3):
 
 class DenseWeights(Callback):
     def __init__(self):
-        self.after = {}
+        self.after, self.module = {}, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.module = pl_module
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after[batch_idx] = [p.detach().clone() for p in pl_module.objectives.parameters()]
@@ -260,3 +263,27 @@ def test_the_logger_gets_every_training_metric_at_its_interval(engine, tmp_path)
     for row in (r for r in rows if r["train/loss"]):  # the parts of that very step's loss, not of an earlier one
         parts = float(row["train/retrieval"]) + float(row["train/ranking"])
         assert math.isclose(float(row["train/loss"]), parts, rel_tol=1e-5), row
+
+
+class StopsAtNonFinite(ExplodesAtBatch3):
+    def __init__(self, **kwargs):
+        super().__init__(on_nonfinite_loss="stop", **kwargs)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_stop_ends_training_at_a_non_finite_loss_after_its_step():
+    """on_nonfinite_loss="stop": checked by the watchdog task after the step was queued, so the error comes
+    with the step applied (this process's weights are not finite), at the same batch as "raise"."""
+    weights = DenseWeights()
+    with pytest.raises(TaskError) as info:
+        fit_hstu(StopsAtNonFinite, limit_val_batches=0, callbacks=[weights])
+    assert (info.value.task, info.value.batch) == ("watchdog", 3)
+    assert isinstance(info.value.__cause__, FloatingPointError) and "the step was applied" in str(info.value.__cause__)
+    assert sorted(weights.after) == [0, 1, 2]  # batch 3 never ended
+    assert not all(torch.isfinite(p).all() for p in weights.module.objectives.parameters())  # it was applied
+    assert engine_threads() == []
+
+
+def test_an_unknown_nonfinite_policy_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="unknown on_nonfinite_loss 'ignore'; valid: raise, skip, stop"):
+        HSTURecommender(**SMALL_MODEL, on_nonfinite_loss="ignore")

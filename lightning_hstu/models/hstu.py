@@ -66,6 +66,10 @@ def resolve_retrieval(choice: str, num_items: int | None) -> str:
     return "full" if num_items is not None and num_items <= FULL_SOFTMAX_MAX_ITEMS else "sampled"
 
 
+NONFINITE = ("raise", "skip", "stop")
+"""``on_nonfinite_loss``: raise and skip agree on every rank's loss before backward (the compute thread waits
+for the forward on the GPU), so a non-finite loss is never applied, then end training or go on; stop checks
+in the watchdog task, after the step was queued without waiting, and ends training with the step applied."""
 ATTENTION = ("auto", "fused", "padded")
 """How the HSTU layers attend: ``fused``, the jagged Triton kernel (no padding anywhere in the dense part);
 ``padded``, the plain-PyTorch reference over histories padded to a length; ``auto``, fused on CUDA, padded
@@ -95,8 +99,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
-        if on_nonfinite_loss not in ("raise", "skip"):
-            raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: raise, skip")
+        if on_nonfinite_loss not in NONFINITE:
+            raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: {', '.join(NONFINITE)}")
         if ranking_weight < 0:
             raise ValueError(f"ranking_weight must be at least 0 (0 turns the ranking loss off), got {ranking_weight}")
         self.save_hyperparameters()
@@ -113,6 +117,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         self.skipped_batches: list[int] = []
         """Batches whose step was skipped because a rank's loss was not finite."""
         self._nonfinite: set[int] = set()
+        self._finite_flags: dict[int, torch.Tensor] = {}
+        """``on_nonfinite_loss="stop"``: each step's finite flag, on the device, until the watchdog reads it."""
         self._graphed: GraphedMethod | None = None
         self._unpipelined_batch: int | None = None  # set while Lightning's own loop trains a batch
         self._last_batch: HSTUBatch | None = None
@@ -210,6 +216,14 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
                 p.grad = None  # no dense step either: the optimizer skips parameters without gradients
 
     def _watch(self, index: int) -> None:
+        flag = self._finite_flags.pop(index, None)
+        if flag is not None:  # "stop": read now, after the step's backward and optimizer step were queued
+            strategy = self.trainer.strategy
+            agree = getattr(strategy, "all_ranks", strategy.reduce_boolean_decision)
+            if not agree(bool(flag)):  # waits for this step's loss only
+                raise FloatingPointError(f"non-finite loss at batch {index} (on at least one rank); the step was "
+                                         f"applied (on_nonfinite_loss='stop'): this process's weights are not "
+                                         f"finite, resume from a checkpoint")
         if index not in self._nonfinite:
             return
         self._nonfinite.discard(index)
@@ -278,8 +292,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         retrieval, ranking = dense_losses(self.objectives, batch, embeddings, graphed)
         scale = global_token_scale(tokens)
         loss = (retrieval + ranking) * scale
-        finite = bool(torch.isfinite(loss))
-        if not (strategy.all_ranks(finite) if slots is not None else strategy.reduce_boolean_decision(finite)):
+        if self.hparams.on_nonfinite_loss == "stop":  # no wait for the GPU here: the watchdog task checks
+            self._finite_flags[batch_idx] = torch.isfinite(loss.detach())
+        elif not (strategy.all_ranks(bool(torch.isfinite(loss))) if slots is not None
+                  else strategy.reduce_boolean_decision(bool(torch.isfinite(loss)))):
             # Every rank must still run backward (its all-to-alls and all-reduces are collectives), and no
             # non-finite gradient may reach the fused embedding update: backpropagate an exact zero.
             self._nonfinite.add(batch_idx)
