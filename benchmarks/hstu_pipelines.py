@@ -49,7 +49,7 @@ from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
-from lightning_hstu.hstu.shuffler import BalancedShuffler
+from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 from lightning_hstu.plan import GRAPH_TASKS
@@ -92,13 +92,13 @@ def model_sizes(sizes, attention="auto") -> dict:
                 dropout=0.0, attention=attention, retrieval_loss="sampled")  # 16 sampled negatives per history
 
 
-def build_model(sizes, device, num_items, world=1, attention="auto", balance=True):
+def build_model(sizes, device, num_items, world=1, attention="auto", balance=True, own_group=True):
     torch.manual_seed(0)
     model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000,
                             num_actions=5).to(device)
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
-    model.shuffler = BalancedShuffler(32, enabled=balance and world > 1)  # one device: nothing to balance
+    model.shuffler = BalancedShuffler(32, group=shuffle_group(balance and own_group), enabled=balance and world > 1)
     return model
 
 
@@ -305,8 +305,9 @@ def thread_host_ms(records, steps):
     return " ".join(f"{t}={v / steps:.2f}" for t, v in per_thread.items())
 
 
-def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, balance):
-    model = build_model(sizes, device, num_items, world, attention, balance)
+def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, shuffler):
+    balance = shuffler != "identity"
+    model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
     optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
 
     def measure_(name, run, passes=0, plan=None):
@@ -333,7 +334,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
-    if not args.no_user_path:
+    if not args.no_user_path and shuffler != "balanced_step_group":  # the model's shuffler has its own group
         results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
         if device.type == "cuda" and best:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
@@ -384,8 +385,11 @@ def main():
     parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
     parser.add_argument("--no-user-path", action="store_true",
                         help="leave out the presets through Trainer(strategy=HSTUPipelineStrategy(...))")
-    parser.add_argument("--shuffler", nargs="+", default=["balanced"], choices=["balanced", "identity"],
-                        help="several ranks: the workload-balanced shuffler, or the identity (no exchange)")
+    parser.add_argument("--shuffler", nargs="+", default=["balanced"],
+                        choices=["balanced", "balanced_step_group", "identity"],
+                        help="several ranks: the workload-balanced shuffler on its own process group (as "
+                             "HSTURecommender runs it), the same on the step's group (the Engine rows only), or the "
+                             "identity (no exchange)")
     parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "fused", "padded"],
                         help="auto: fused on CUDA, padded elsewhere")
     args = parser.parse_args()
@@ -413,7 +417,7 @@ def main():
                 f"per batch")
             try:
                 results, model = run_modes(args, sizes, batches, device, autocast, num_items, world, attention,
-                                           shuffler == "balanced")
+                                           shuffler)
             except torch.cuda.OutOfMemoryError as error:
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()

@@ -29,7 +29,7 @@ from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedMethod
 from ..hstu.loop import dense_losses, global_token_scale, global_tokens, sparse_features
-from ..hstu.shuffler import BalancedShuffler
+from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import ShardedEmbeddings
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
@@ -145,7 +145,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
             cache_load_factor=hp.cache_load_factor)
         self.dense_grads = MegatronDenseGrads(self.objectives.to(device))
-        self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, enabled=hp.balance_batches)
+        self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, group=shuffle_group(hp.balance_batches),
+                                         enabled=hp.balance_batches)
 
     def configure_optimizers(self):
         # the sparse tables have their own (fused) optimizer
