@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -221,3 +222,16 @@ def test_a_module_implementing_hstu_hooks_gets_them_run_as_tasks():
     ran = {r.task for r in collector.records if not r.skipped}
     assert {"global_tokens_allreduce", "watchdog"} <= ran
     assert "start_shuffle" not in ran
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_lightnings_profiler_times_each_training_batch_as_under_its_own_loop(preset):
+    """Lightning's "run_training_batch" section, once per trained batch (what SimpleProfiler and
+    AdvancedProfiler report), under the engine as under Lightning's own loop."""
+    counts = {}
+    for name, strategy in (("engine", HSTUPipelineStrategy(preset)), ("lightning", "auto")):
+        profiler = SimpleProfiler()
+        _, trainer = fit(strategy, profiler=profiler)
+        counts[name] = (len(profiler.recorded_durations["run_training_batch"]), trainer.global_step)
+    assert counts["engine"] == counts["lightning"]
+    assert counts["engine"][0] == counts["engine"][1] > 0

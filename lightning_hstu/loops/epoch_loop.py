@@ -39,6 +39,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._engine: Engine | None = None
         self._batches: EpochBatches | None = None
         self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
+        self._profiling = False  # Lightning's "run_training_batch" profiler section is open
 
     # ----- the epoch -------------------------------------------------------------------------------
 
@@ -80,6 +81,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
         finally:
             self._batches = None
             self._tasks.current = None
+            if self._profiling:  # a step that failed
+                self._profiling = False
+                self.trainer.profiler.stop("run_training_batch")
 
     def _check_batch_sizes(self, start: int) -> None:
         """A mid-epoch resume skips the batches the checkpoint had trained, counted in batches: with
@@ -152,11 +156,16 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self.batch_progress.increment_started()
         kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
         self._tasks.current = TrainBatch(batch_idx, kwargs, self._should_accumulate())
+        trainer.profiler.start("run_training_batch")  # Lightning's section: this batch's lookahead-0 tasks
+        self._profiling = True
         return True
 
     def _finish_batch(self, result: StepResult) -> None:
         """Lightning's end of a batch, after the step that trained it."""
         trainer = self.trainer
+        if self._profiling:
+            self._profiling = False
+            trainer.profiler.stop("run_training_batch")
         current = self._tasks.current
         closure = current.result
         outputs = {} if closure is None or closure.loss is None else closure.asdict()
