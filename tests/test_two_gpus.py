@@ -101,6 +101,11 @@ def differences(got: dict, expected: dict) -> list[str]:
     return found
 
 
+def assert_same(got: dict, expected: dict) -> None:
+    found = differences(got, expected)
+    assert not found, f"differ: {', '.join(found)}"
+
+
 def training_differences(got: list[dict], expected: list[dict]) -> list[str]:
     """Rank by rank, the dense weights and the table shards of two HSTU runs that differ."""
     return [f"rank {rank} {part} {name}" for rank, (g, e) in enumerate(zip(got, expected))
@@ -118,8 +123,9 @@ def assert_replicas_equal(ranks: list[dict], key: str) -> None:
 # ----- 1. the HSTU stack under every preset, legacy_none's weights -------------------------------------------
 
 MUTATED = ("default_d6", "full_split_d6")
-"""Presets whose delayed runs are repeated with the event waits off. Under them the host hands a shuffled
-batch to start_input_dist on another stream in the same step, before anything waits for it on the host."""
+"""Presets whose delayed runs are repeated with the event waits off. Under them start_input_dist (data_dist
+stream) reads the shuffled batch in the step in which finish_shuffle (memcpy stream) made it, with no host
+wait for the memcpy stream in between, so only the event makes it wait for the ids written late."""
 
 
 def preset_runs() -> list[str]:
@@ -140,7 +146,8 @@ def hstu_runs(tmp_path_factory):
 def assert_trains_like(got: list[dict], expected: list[dict]) -> None:
     for rank in (*got, *expected):
         assert rank["global_step"] == STEPS
-    assert training_differences(got, expected) == []
+    found = training_differences(got, expected)
+    assert not found, f"differ: {', '.join(found)}"
     assert_replicas_equal(got, "dense")
 
 
@@ -171,8 +178,9 @@ def test_without_the_event_waits_the_delayed_runs_differ(preset, hstu_runs):
     """The test of the tests above: the delays make a consumer that does not wait for its producer's CUDA
     event read unfinished ids, and the weights show it."""
     legacy = hstu_runs["legacy_none"]
-    assert training_differences(hstu_runs[f"{preset}+delays"], legacy) == []
-    assert training_differences(hstu_runs[f"{preset}+delays+nowaits"], legacy) != []
+    assert_trains_like(hstu_runs[f"{preset}+delays"], legacy)
+    assert training_differences(hstu_runs[f"{preset}+delays+nowaits"], legacy), \
+        "without the event waits the delayed runs still equal legacy_none's: the delays expose no missing wait"
 
 
 # ----- 2. an ordinary LightningModule, Lightning's own DDP ---------------------------------------------------
@@ -190,7 +198,7 @@ def test_every_preset_trains_an_ordinary_module_like_lightnings_ddp(preset, toy_
     for got, expected in zip(ranks, ddp):
         assert got["seen"] == expected["seen"]  # each rank trained its DistributedSampler share, in order
         assert got["global_step"] == expected["global_step"] == 16
-        assert differences(got["weights"], expected["weights"]) == []
+        assert_same(got["weights"], expected["weights"])
     assert_replicas_equal(ranks, "weights")
 
 
@@ -282,7 +290,7 @@ def test_a_checkpoint_resumed_mid_epoch_gives_the_uninterrupted_run(uninterrupte
             assert got["state_at"][part].keys() == want["state_at"][part].keys()
             for name, value in want["state_at"][part].items():
                 assert torch.equal(got["state_at"][part][name], value), (rank, part, name)
-            assert differences(got["state"][part], want["state"][part]) == [], rank
+            assert_same(got["state"][part], want["state"][part])
         if GPU:
             torch.testing.assert_close(got["losses"], want["losses"][3:], **GPU_TOLERANCE)
         else:

@@ -67,7 +67,8 @@ def train(run: str, steps: int, accelerator: str, out_dir: str) -> None:
     pl.seed_everything(0, verbose=False)
     model_cls = LateOutputs if "delays" in options else HSTURecommender
     model = model_cls(**model_kwargs, attention="padded" if "graphs" in options else "auto")
-    model.delay_seed = PRESET_NAMES.index(preset)
+    if "delays" in options:
+        model.delay_seed = PRESET_NAMES.index(preset)  # a preset's runs with and without the waits: the same delays
     callbacks = [GraphUse()] if "graphs" in options else []
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs="graphs" in options, step_timeout=120),
                          accelerator=accelerator, devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
