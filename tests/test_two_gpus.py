@@ -13,9 +13,9 @@ results as the single-threaded legacy_none, as Lightning's own DDP and as the ru
 
 Skipped unless there are two CUDA devices, NCCL and fbgemm-gpu's CUDA build (TorchRec's GPU kernels). With
 LIGHTNING_HSTU_TWO_RANK_BACKEND=gloo the same checks run on two CPU processes over gloo instead, for
-developing them without GPUs, less what needs a GPU: graph capture and the test of the event waits. Each
-check launches its scripts (tests/scripts/) as a new multi-process job and reads what every rank saved.
-See docs/two-gpus.md.
+developing them without GPUs, less what needs a GPU: graph capture, the test of the event waits and the
+inventory's NCCL columns. Each check launches its scripts (tests/scripts/) as a new multi-process job and
+reads what every rank saved. See docs/two-gpus.md.
 """
 
 import os
@@ -68,9 +68,9 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING
 gpu_only = pytest.mark.skipif(not GPU, reason=f"needs the GPUs ({BACKEND_VARIABLE}=gloo runs on CPU processes)")
 
 GPU_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
-"""On the GPUs a run is not bitwise repeatable: the fused attention's relative-bias gradients, the padded
-attention's gathers and the embedding backward sum with atomic adds, in an order that changes from run to
-run. Weights are equal up to that float summation order (as in test_hstu_cuda.py); on CPU, bitwise."""
+"""On the GPUs a run is not bitwise repeatable: some kernels sum with atomic adds, in an order that changes
+from run to run (the relative-bias gradients of the fused attention, and index_add_ in the padded one, for
+two). Weights of two runs are equal up to that summation order (as in test_hstu_cuda.py); on CPU, bitwise."""
 
 
 class Launch:
@@ -129,12 +129,13 @@ wait for the memcpy stream in between, so only the event makes it wait for the i
 
 
 def preset_runs() -> list[str]:
-    """The runs of one launch, references first, those without the event waits last (see hstu_presets.py)."""
-    runs = ["legacy_none", *(["legacy_none+graphs"] if GPU else [])]
-    for preset in PRESET_NAMES:
-        runs += [preset] if preset != "legacy_none" else []
-        runs += [f"{preset}+delays", *([f"{preset}+graphs+delays"] if GPU else [])]
-    return runs + ([f"{preset}+delays+nowaits" for preset in MUTATED] if GPU else [])
+    """The runs of one launch (see hstu_presets.py), in the order they run: a run that fails stops the launch
+    and leaves the results of the runs before it, so the eager runs come first and the graph captures last."""
+    runs = ["legacy_none", *PRESET_NAMES[1:], *(f"{preset}+delays" for preset in PRESET_NAMES)]
+    if GPU:
+        runs += [f"{preset}+delays+nowaits" for preset in MUTATED]
+        runs += ["legacy_none+graphs", *(f"{preset}+graphs+delays" for preset in PRESET_NAMES)]
+    return runs
 
 
 @pytest.fixture(scope="module")
