@@ -84,8 +84,8 @@ class Launch:
     def __getitem__(self, name: str) -> list[dict]:
         paths = [self.out / f"{name}.rank{rank}.pt" for rank in (0, 1)]
         if not all(p.is_file() for p in paths):
-            pytest.fail(f"{name}: no result from every rank; the launch ended with exit code {self.result.returncode}:\n"
-                        f"{self.result.stderr[-4000:]}")
+            pytest.fail(f"{name}: no result from every rank; the launch ended with exit code "
+                        f"{self.result.returncode}:\n{self.result.stderr[-4000:]}")
         return [torch.load(p, weights_only=False) for p in paths]
 
 

@@ -116,10 +116,10 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=args.save_every,
                                          save_top_k=args.keep,
                                          filename="{step}"))
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator=args.accelerator, devices=args.devices,
-                         max_steps=args.max_steps, logger=False, enable_checkpointing=bool(args.save_every),
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks)
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator=args.accelerator,
+                         devices=args.devices, max_steps=args.max_steps, logger=False,
+                         enable_checkpointing=bool(args.save_every), enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     trainer.fit(model, data(), ckpt_path=args.resume)
     torch.save({"state": state_of(model), "state_at": state_at.state, "losses": recorder.losses,
                 "users": recorder.users, "global_step": trainer.global_step},
