@@ -1,6 +1,10 @@
 """Running a function on several gloo ranks (processes) in a test, and launching multi-process commands."""
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +17,25 @@ LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_R
 
 def launch_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+
+
+def run_script(script: Path, cwd: Path, *args, timeout: float) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS...`` in ``cwd``, as a new multi-process launch (see ``launch_env``); its output is
+    captured. Past ``timeout`` seconds every process of the launch is killed (the ranks a launcher started too,
+    which would otherwise outlive it holding their devices) and the test fails with the end of the output."""
+    process = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=cwd, env=launch_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{script.name} {' '.join(map(str, args))} did not end within {timeout:g} s; "
+                             f"its output ends:\n{stderr[-3000:]}") from None
+    except BaseException:  # KeyboardInterrupt: in a session of their own the ranks would not get it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def run_on_ranks(fn, tmp_path, world: int = 2) -> list:

@@ -5,8 +5,6 @@ event waits switched off, the delayed runs differ (checked on the H200, 2026-11-
 CUDA; run on the GPU machine with TorchRec's GPU build (see the README)."""
 
 import json
-import random
-import time
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -14,45 +12,19 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from delayed_hstu import DelayedTasks
+from small_hstu import GPU_MODEL, gpu_data
+
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
 from lightning_hstu.callbacks import CollectiveInventoryCallback, TraceCallback
 from lightning_hstu.callbacks.collectives import format_inventory
-from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.models.hstu import HSTURecommender, token_capacity
 from lightning_hstu.plan import EdgeKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MODEL = dict(embedding_dim=64, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32, max_seq_len=64,
-             dropout=0.0, sparse_optimizer="sgd")
 STEPS = 8
-
-
-class DelayedTasks(HSTURecommender):
-    """Delays the side-chain tasks at random, on the host (their threads) and on the GPU (their streams):
-    a consumer on another stream that did not wait for its producer's event would read unfinished data."""
-
-    def _delay(self):
-        time.sleep(self._rng.uniform(0, 0.004))
-        torch.cuda._sleep(self._rng.randrange(4_000_000))  # about 0-2 ms of GPU time on the task's stream
-
-    def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        # The h2d task, on the memcpy stream: its copy lands up to ~20 ms later than the host moves on.
-        torch.cuda._sleep(self._rng.randrange(20_000_000, 40_000_000))
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def hstu_finish_shuffle(self, b):
-        self._delay()
-        super().hstu_finish_shuffle(b)
-
-    def hstu_wait_input_dist(self, b):
-        self._delay()
-        super().hstu_wait_input_dist(b)
-
-    def hstu_compute_output_dist(self, b):
-        self._delay()
-        super().hstu_compute_output_dist(b)
 
 
 class PrefetchCount(Callback):
@@ -69,14 +41,14 @@ class PrefetchCount(Callback):
 def train(preset, model_cls=HSTURecommender, seed=0, callbacks=(), capture_graphs=False, engine=True, **model_kwargs):
     pl.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(False)
-    model = model_cls(**{**MODEL, **model_kwargs})
-    model._rng = random.Random(seed)
+    model = model_cls(**{**GPU_MODEL, **model_kwargs})
+    model.delay_seed = seed
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs=capture_graphs, engine=engine),
                          accelerator="cuda", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0,
                          callbacks=list(callbacks))
-    trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8))
+    trainer.fit(model, gpu_data())
     dense = {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}
     sparse = {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()}
     return dense, sparse
@@ -121,15 +93,14 @@ def test_cached_tables_are_prefetched_and_train_like_uncached_ones(preset, legac
 
 
 def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
-    model = HSTURecommender(**MODEL, cache_load_factor=0.2)
+    model = HSTURecommender(**GPU_MODEL, cache_load_factor=0.2)
     with pytest.raises(RuntimeError, match="prefetched training batch"):
         pl.seed_everything(0, verbose=False)
         trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cuda", devices=1,
                              max_steps=STEPS, val_check_interval=3, limit_val_batches=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0)
-        trainer.fit(model, SyntheticHistories(num_users=256, num_items=1000, max_seq_len=64, batch_size=16,
-                                              negatives=8))
+        trainer.fit(model, gpu_data())
 
 
 class NeverCaptured(HSTURecommender):

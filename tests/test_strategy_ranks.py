@@ -16,10 +16,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 def fit_two_ranks(strategy, out_dir, data="even"):
     out_dir.mkdir()
     env = launch_env()
-    result = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out_dir), data],
+    result = subprocess.run([sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data],
                             capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(out_dir / f"{strategy}.rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
-"""Fits the toy recommender on two CPU processes (gloo); run by test_strategy_ranks.py.
+"""Fits the toy recommender on two processes, once per STRATEGY, one after the other in the same processes;
+run by test_strategy_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
-    python fit_two_ranks.py STRATEGY OUT_DIR {even,uneven}
+    python fit_two_ranks.py OUT_DIR STRATEGY [STRATEGY ...] [--data {even,uneven}] [--accelerator {cpu,gpu}]
 
-Lightning's launcher starts the second rank by running this same command again. Each rank saves its
-weights, the batches it trained and its global step to OUT_DIR/rank<R>.pt.
+Lightning's launcher starts the second rank by running this same command again (with ``--accelerator gpu``
+rank R trains on CUDA device R, over NCCL). After each fit every rank saves its weights, the batches it
+trained and its global step to OUT_DIR/<STRATEGY>.rank<R>.pt.
 """
 
-import sys
+import argparse
 
 import lightning.pytorch as pl
 import torch
@@ -27,19 +29,31 @@ class UnevenBatches(IterableDataset):
             yield torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
 
 
-def main(strategy: str, out_dir: str, data: str) -> None:
+def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
     pl.seed_everything(0, verbose=False)
     model = ToyRecommender()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
+    trainer = pl.Trainer(strategy=strategy, accelerator=accelerator, devices=2, max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0)
     if data == "uneven":
         trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
     else:
         trainer.fit(model, ToyDataModule(num_samples=128))
-    torch.save({"weights": model.state_dict(), "seen": model.batches_seen, "global_step": trainer.global_step},
-               f"{out_dir}/rank{trainer.global_rank}.pt")
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step},
+               f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("strategies", nargs="+")
+    parser.add_argument("--data", choices=("even", "uneven"), default="even")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    args = parser.parse_args()
+    for strategy in args.strategies:
+        fit(strategy, args.out_dir, args.data, args.accelerator)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main()

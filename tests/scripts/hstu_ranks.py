@@ -1,15 +1,17 @@
-"""Trains the HSTU recommender on two CPU processes (gloo) under one preset with the collective-order
-check on; run by test_hstu_ranks.py.
+"""Trains the HSTU recommender on two processes under one preset with the collective-order check on; run by
+test_hstu_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
-    python hstu_ranks.py PRESET OUT_DIR STEPS [--mismatch]
+    python hstu_ranks.py PRESET OUT_DIR STEPS [--mismatch] [--accelerator {cpu,gpu}]
 
 ``--mismatch``: rank 1 launches one collective more than rank 0 (on a group of its own, so that nothing
-waits for it) in finish_shuffle, which the check must report. Each rank saves its global step, how many
-steps were compared and its dense weights to OUT_DIR/rank<R>.pt.
+waits for it) in finish_shuffle, which the check must report. With ``--accelerator gpu`` rank R trains on
+CUDA device R, over NCCL. Each rank saves its global step, how many steps were compared, the collectives
+of each compared step (its inventories) and its dense weights to OUT_DIR/rank<R>.pt.
 """
 
 import argparse
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,7 +23,20 @@ from lightning_hstu.callbacks import CollectiveInventoryCallback
 from lightning_hstu.models.hstu import HSTURecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from small_hstu import SMALL_MODEL, small_data  # noqa: E402
+from small_hstu import model_and_data  # noqa: E402
+
+
+class EveryInventory(CollectiveInventoryCallback):
+    """Keeps the inventory of every recorded step (the callback's ``inventory`` is the last one's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inventories = []
+
+    def on_train_batch_end(self, *args):
+        super().on_train_batch_end(*args)
+        if self.inventory and (not self.inventories or self.inventory is not self.inventories[-1]):
+            self.inventories.append(self.inventory)
 
 
 class OneMoreOnRank1(HSTURecommender):
@@ -32,7 +47,7 @@ class OneMoreOnRank1(HSTURecommender):
     def hstu_finish_shuffle(self, b) -> None:
         super().hstu_finish_shuffle(b)
         if dist.get_rank() == 1:
-            dist.all_reduce(torch.zeros(1), group=self._solo)
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self._solo)
 
 
 def main() -> None:
@@ -41,17 +56,20 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("steps", type=int)
     parser.add_argument("--mismatch", action="store_true")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     args = parser.parse_args()
+    model_kwargs, data = model_and_data(args.accelerator)
     pl.seed_everything(0, verbose=False)
-    model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**SMALL_MODEL)
-    check = CollectiveInventoryCallback(batch=[5, args.steps // 2, args.steps - 1], path=None, print_table=False,
+    model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**model_kwargs)
+    check = EveryInventory(batch=[5, args.steps // 2, args.steps - 1], path=None, print_table=False,
                                         compare_ranks=True)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(args.preset), accelerator="cpu", devices=2,
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(args.preset), accelerator=args.accelerator, devices=2,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[check])
-    trainer.fit(model, small_data())
+    trainer.fit(model, data())
     torch.save({"global_step": trainer.global_step, "compared": check.compared,
-                "weights": {k: v.detach().clone() for k, v in model.objectives.state_dict().items()}},
+                "inventories": [[asdict(c) for c in inventory] for inventory in check.inventories],
+                "weights": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}},
                f"{args.out_dir}/rank{trainer.global_rank}.pt")
 
 
