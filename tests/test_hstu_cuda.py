@@ -10,9 +10,9 @@ from collections import Counter
 import lightning.pytorch as pl
 import pytest
 import torch
+from delayed_hstu import DelayedTasks
 from lightning.pytorch.callbacks import Callback
 
-from delayed_hstu import DelayedTasks
 from small_hstu import GPU_MODEL, gpu_data
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy

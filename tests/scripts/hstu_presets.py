@@ -30,6 +30,7 @@ from lightning_hstu.models.hstu import HSTURecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from delayed_hstu import LateOutputs  # noqa: E402
+
 from small_hstu import model_and_data  # noqa: E402
 
 OPTIONS = ("delays", "graphs", "nowaits")
