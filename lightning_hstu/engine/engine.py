@@ -632,27 +632,30 @@ class Engine:
         return StepTimeout(watch.step, self.step_timeout, activity, **details)
 
     def _collectives_in_flight(self) -> list[str] | None:
-        """What the owner's recorder (torch's flight recorder) lists, then the engine's own view: collective
-        tasks whose body has not returned, and, on a GPU, those whose stream work has not completed."""
+        """What the owner's recorder lists (torch's flight recorder), then the engine's own view: collective
+        tasks whose body has not returned, and, on a GPU, those whose stream work has not completed. Each
+        source that could block (a recorder's dump, the device) is waited for a bounded time."""
         recorded = None
         if self._on_timeout.collectives_in_flight is not None:
-            recorded = call_bounded(self._on_timeout.collectives_in_flight, "reading the collectives in flight")
-            recorded = recorded or []
-        engine = []
-        for thread, activity in list(self._activity.items()):
-            if activity[0] == "running" and self.plan.task(activity[1]).collective:
-                engine.append(f"engine: task '{activity[1]}' on batch {activity[2]} (thread '{thread}') launches "
-                              f"collectives and has not returned")
+            recorded = call_bounded(self._on_timeout.collectives_in_flight, "reading the collectives in flight") or []
+        engine = [f"engine: task '{activity[1]}' on batch {activity[2]} (thread '{thread}') launches collectives "
+                  f"and has not returned" for thread, activity in list(self._activity.items())
+                  if activity[0] == "running" and self.plan.task(activity[1]).collective]
         if self._streams.enabled and self._ring is not None:
-            for entry in self._ring.entries():
-                for name, event in list(entry.events.items()):
-                    task = self.plan.task(name)
-                    if task.collective and not event.query():
-                        engine.append(f"engine: task '{name}' on batch {entry.index} returned, but its work on "
-                                      f"stream '{task.stream}' has not completed")
+            engine += call_bounded(self._collective_work_not_done, "querying the tasks' CUDA events") or []
         if recorded is None and not engine:
             return None
         return [*(recorded or []), *engine]
+
+    def _collective_work_not_done(self) -> list[str]:
+        lines = []
+        for entry in self._ring.entries():
+            for name, event in list(entry.events.items()):
+                task = self.plan.task(name)
+                if task.collective and not event.query():
+                    lines.append(f"engine: task '{name}' on batch {entry.index} returned, but its work on stream "
+                                 f"'{task.stream}' has not completed")
+        return lines
 
     def _describe_activity(self, step: _Step | None) -> dict[str, str]:
         frames = sys._current_frames()
