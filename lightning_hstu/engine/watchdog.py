@@ -18,7 +18,6 @@ seconds after the timeout. Without it (one process, the engine on its own) the w
 
 import atexit
 import contextlib
-import dataclasses
 import itertools
 import os
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from time import monotonic, sleep
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import StepTimeout
 
@@ -51,8 +50,9 @@ class WatchKind(StrEnum):
     """The caller's own work around a step; if it hangs, the caller cannot raise anything."""
 
 
-@dataclass(frozen=True)
-class Watch:
+class Watch(NamedTuple):
+    """One deadline. (A named tuple: a few are made per step, on the hot path.)"""
+
     kind: WatchKind
     step: int
     what: str
@@ -133,23 +133,23 @@ class Watchdog:
         if self._expiry is None or not self.actions.end_process:
             self.thread.join()
 
-    @contextlib.contextmanager
-    def watch(self, kind: WatchKind, step: int, what: str, **details) -> Iterator[Watch]:
+    def watch(self, kind: WatchKind, step: int, what: str, **details: Any) -> "_Watching":
         """Time the block with the step timeout. A timeout reported meanwhile is raised when it ends."""
-        watch = Watch(kind, step, what, threading.current_thread(), monotonic() + self.timeout, **details)
+        return _Watching(self, Watch(kind, step, what, threading.current_thread(), monotonic() + self.timeout,
+                                     **details))
+
+    def _open(self, watch: Watch) -> int:
         key = next(self._keys)
         with self._lock:
             self._watches[key] = watch
-        try:
-            yield watch
-        except BaseException as exc:
-            if self._expiry is not None and exc is not self._expiry.error:
-                self.raise_expired()  # the root cause; what the block raised (an aborted collective) follows from it
-            raise
-        finally:
-            with self._lock:
-                self._watches.pop(key, None)
-        self.raise_expired()
+        return key
+
+    def _close(self, key: int, raised: BaseException | None) -> None:
+        with self._lock:
+            self._watches.pop(key, None)
+        if self._expiry is not None and raised is not self._expiry.error:
+            # the root cause; what the block raised (an aborted collective) follows from it
+            self.raise_expired()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -163,7 +163,7 @@ class Watchdog:
             now = monotonic()
             with self._lock:
                 for key, watch in held.items():
-                    self._watches[key] = dataclasses.replace(watch, deadline=now + self.timeout)
+                    self._watches[key] = watch._replace(deadline=now + self.timeout)
 
     def raise_expired(self) -> None:
         """Raise the timeout's report, if there is one (on the caller's thread)."""
@@ -236,6 +236,22 @@ class Watchdog:
             _print(f"{self._rank}ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})")
             sys.stdout.flush()
             os._exit(WATCHDOG_EXIT_CODE)
+
+
+class _Watching:
+    """The context of ``Watchdog.watch`` (a class, not a generator: it is entered a few times per step)."""
+
+    __slots__ = ("_watchdog", "_watch", "_key")
+
+    def __init__(self, watchdog: Watchdog, watch: Watch):
+        self._watchdog, self._watch = watchdog, watch
+
+    def __enter__(self) -> Watch:
+        self._key = self._watchdog._open(self._watch)
+        return self._watch
+
+    def __exit__(self, kind: Any, raised: BaseException | None, traceback: Any) -> None:
+        self._watchdog._close(self._key, raised)
 
 
 def _print(text: str) -> None:
