@@ -37,11 +37,11 @@ class HungRun:
     """What each rank printed."""
 
 
-def run_with_rank_1_hung(scenario: str, out_dir: Path) -> HungRun:
+def run_with_rank_1_hung(scenario: str, out_dir: Path, accelerator: str = "cpu") -> HungRun:
     out_dir.mkdir()
     pids = [out_dir / f"rank{rank}.pid" for rank in (0, 1)]
     with open(out_dir / "launch.log", "w") as launch_log:
-        rank0 = subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(out_dir), str(STEP_TIMEOUT)],
+        rank0 = subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(out_dir), str(STEP_TIMEOUT), accelerator],
                                  stdout=launch_log, stderr=subprocess.STDOUT, cwd=out_dir, env=launch_env())
     try:
         returncode = rank0.wait(timeout=240)

@@ -1,9 +1,11 @@
 """The watchdog on two GPUs with NCCL (docs/watchdog.md): ``lightning-hstu fit`` on the synthetic benchmark,
 rank 1 stopped with SIGSTOP from outside mid-training (wherever it happens to be: the host runs ahead of
 the kernels), and rank 0 must report within ``step_timeout + 10`` s, naming the collective it waits in,
-and end. Skipped unless two CUDA devices are visible.
+and end. Then the precise hangs of test_watchdog_ranks.py on NCCL, with the toy recommender (no TorchRec
+needed). Skipped unless two CUDA devices are visible.
 
-    pytest -q tests/test_watchdog_two_gpus.py -rs
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        python -m pytest -q -rs tests/test_watchdog_two_gpus.py
 """
 
 import os
@@ -18,6 +20,8 @@ import pytest
 import torch
 
 from ranks import launch_env
+from test_watchdog_ranks import MARGIN, run_with_rank_1_hung
+from test_watchdog_ranks import STEP_TIMEOUT as PRECISE_STEP_TIMEOUT
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fit_noting_steps.py"
@@ -80,7 +84,10 @@ def _step(out_dir: Path, rank: int) -> tuple[int, int]:
     return int(pid), int(step)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
 def test_a_rank_stopped_on_nccl_is_reported_naming_the_collective_and_the_job_ends(tmp_path):
     output, to_report, to_end, returncode = fit_and_stop_rank_1(tmp_path / "out", "gpu", STEP_TIMEOUT)
     tail = output[-8000:]
@@ -89,3 +96,17 @@ def test_a_rank_stopped_on_nccl_is_reported_naming_the_collective_and_the_job_en
     assert PENDING.search(output), tail  # the collective rank 0 waits in
     assert returncode is not None and returncode != 0, tail
     assert to_end <= STEP_TIMEOUT + 20, tail
+
+
+@two_gpus
+@pytest.mark.parametrize("scenario", ["toy_task", "caller", "agreement"])
+def test_a_rank_stopped_at_a_precise_point_on_nccl_is_reported_and_the_job_ends(scenario, tmp_path):
+    """Where rank 0 blocks on NCCL depends on how far its host ran ahead (a host synchronisation in a task,
+    Lightning's SIGTERM broadcast on the caller's thread, the agreement): any of the three reports will do,
+    as long as it names a collective in flight."""
+    run = run_with_rank_1_hung(scenario, tmp_path / "out", "gpu")
+    report = run.logs[0]
+    assert REPORT.search(report), report[-8000:]
+    assert PENDING.search(report), report[-8000:]
+    assert run.returncode != 0
+    assert run.hang_to_end < PRECISE_STEP_TIMEOUT + MARGIN

@@ -1,16 +1,17 @@
 """Two gloo ranks of which rank 1 hangs at one precise point; run by test_watchdog_ranks.py.
 
-    python hang_two_ranks.py SCENARIO OUT_DIR STEP_TIMEOUT
+    python hang_two_ranks.py SCENARIO OUT_DIR STEP_TIMEOUT [ACCELERATOR]
 
 Rank 1 hangs at batch ``HANG_AT``:
 
 - ``task``: stops (SIGSTOP) in the backward task of the HSTU recommender, before TorchRec's all-to-all;
+- ``toy_task``: stops in the backward task of the toy recommender, before DDP's gradient all-reduce;
 - ``agreement``: stops in its data loader, so that rank 0 waits in the ranks' per-batch agreement;
 - ``loader``: its data loader never returns (it keeps running: its own watchdog reports it);
 - ``caller``: stops in ``on_train_batch_start``, where every rank all-reduces on the caller's own thread
   (as Lightning's per-batch SIGTERM broadcast does), so that rank 0's caller hangs in that collective.
 
-Each rank writes what it prints to OUT_DIR/rank<R>.log and its pid to OUT_DIR/rank<R>.pid; rank 1 writes
+ACCELERATOR is ``cpu`` (gloo, the default) or ``gpu`` (NCCL). Each rank writes what it prints to OUT_DIR/rank<R>.log and its pid to OUT_DIR/rank<R>.pid; rank 1 writes
 the time it hangs (``time.time()``) to OUT_DIR/hung_at.
 """
 
@@ -30,7 +31,6 @@ from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from small_hstu import SMALL_MODEL, small_data  # noqa: E402
 
 HANG_AT = 6
 HUNG_RANK = 1
@@ -71,10 +71,27 @@ class AllReducesBeforeEachBatch(ToyRecommender):
     def on_train_batch_start(self, batch, batch_idx):
         if batch_idx == HANG_AT:
             hang(self.out_dir, "stop")
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1, device=self.device))
+
+
+class StopsInBackward(ToyRecommender):
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        self.training_batch = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def backward(self, loss, *args, **kwargs):
+        if self.training_batch == HANG_AT:
+            hang(self.out_dir, "stop")
+        super().backward(loss, *args, **kwargs)
 
 
 def hstu_stopping_in_backward(out_dir: str):
+    from small_hstu import SMALL_MODEL
+
     from lightning_hstu.models.hstu import HSTURecommender
 
     class StopsInBackward(HSTURecommender):
@@ -90,24 +107,26 @@ def hstu_stopping_in_backward(out_dir: str):
     return StopsInBackward(**SMALL_MODEL)
 
 
-def main(scenario: str, out_dir: str, step_timeout: float) -> None:
+def main(scenario: str, out_dir: str, step_timeout: float, accelerator: str = "cpu") -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for the rank it starts
     log = open(Path(out_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     Path(out_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6", step_timeout=step_timeout), accelerator="cpu",
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6", step_timeout=step_timeout), accelerator=accelerator,
                          devices=2, max_steps=40, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, use_distributed_sampler=scenario == "task")
     if scenario == "task":
+        from small_hstu import small_data
+
         trainer.fit(hstu_stopping_in_backward(out_dir), small_data(num_users=512))
         return
     how = {"agreement": "stop", "loader": "wait"}.get(scenario)
-    model = AllReducesBeforeEachBatch(out_dir) if scenario == "caller" else ToyRecommender()
+    model = {"caller": AllReducesBeforeEachBatch, "toy_task": StopsInBackward}.get(scenario, lambda _: ToyRecommender())(out_dir)
     trainer.fit(model, train_dataloaders=DataLoader(Batches(out_dir, how), batch_size=None))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), *sys.argv[4:5])
