@@ -47,9 +47,13 @@ def collectives_in_flight() -> list[str]:
     dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)]
     if not dumps:
         return ["flight recorder: not in this torch build"]
-    entries, seen = [], set()
+    entries, seen, failures = [], set(), []
     for dump in dumps:
-        trace = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=True))
+        try:
+            trace = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=True))
+        except Exception as exc:  # one backend's recorder failing must not hide the other's
+            failures.append(f"flight recorder: {dump.__name__} failed: {exc!r}")
+            continue
         for entry in trace.get("entries", []):
             key = (tuple(entry.get("process_group", ())), entry.get("collective_seq_id"), entry.get("p2p_seq_id"),
                    entry.get("profiling_name"))
@@ -59,7 +63,8 @@ def collectives_in_flight() -> list[str]:
     if not entries and os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == "0":
         return ["flight recorder: off (TORCH_FR_BUFFER_SIZE=0)"]
     threads = {str(t.ident): t.name for t in threading.enumerate()}
-    return [_describe(entry, threads) for entry in sorted(entries, key=lambda e: e.get("time_created_ns", 0))]
+    return [*(_describe(entry, threads) for entry in sorted(entries, key=lambda e: e.get("time_created_ns", 0))),
+            *failures]
 
 
 def _describe(entry: dict, threads: dict[str, str]) -> str:
