@@ -133,7 +133,7 @@ def test_a_caller_stuck_in_a_collective_is_reported_by_the_watchdog_which_ends_t
     report = run.logs[0]
     assert ("CallerTimeout: rank 0: the caller's thread did not return from before_step(6) "
             "(EngineEpochLoop._before_step) within 5 s (step 6)") in report
-    assert "in on_train_batch_start" in report and "dist.all_reduce(torch.ones(1))" in report
+    assert "in on_train_batch_start" in report and "dist.all_reduce(torch.ones(1, device=self.device))" in report
     assert "flight recorder: gloo:all_reduce" in report and "(default_pg)" in report
     assert "by thread 'MainThread'" in report
     assert "rank 0: the caller's thread is the one that hangs: nothing can be raised there" in report
