@@ -7,6 +7,7 @@ collectives, for the previous ticket holder. The first steps (the fill) and the 
 simply skip tasks whose batch does not exist, so every batch passes every task exactly once.
 """
 
+import contextlib
 import math
 import numbers
 import queue
@@ -21,14 +22,12 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from ..plan import LEGACY_THREAD, Plan, PlanError, PlanTask, Stream
-from .errors import EngineError, LoaderTimeout, StepTimeout, TaskError
+from .errors import CallerTimeout, EngineError, LoaderTimeout, StepTimeout, TaskError
 from .records import StepResult, TaskRecord
 from .ring import SKIPPED, BatchView, Ring, RingEntry
 from .schedule import Body, ScheduledTask, schedule
 from .streams import make_streams
-
-_POLL_S = 0.25
-"""How often a waiting caller wakes to notice a KeyboardInterrupt or the step timeout."""
+from .watchdog import POLL_S, TimeoutActions, Watch, Watchdog, WatchKind, call_bounded
 
 
 def check_step_timeout(value: Any) -> float | None:
@@ -182,17 +181,17 @@ class _LoaderThread:
     def stop(self) -> None:
         self._requests.put(None)
 
-    def pull(self, iterator: Iterator[Any], timeout: float, on_timeout: Callable[[str], BaseException]) -> Any:
-        """The next batch (``StopIteration`` at the end); the loader's own errors are raised as themselves."""
+    def pull(self, iterator: Iterator[Any], check: Callable[[], None]) -> Any:
+        """The next batch (``StopIteration`` at the end); the loader's own errors are raised as themselves.
+        ``check()`` runs every ``POLL_S`` while the loader thread pulls: it raises the step timeout."""
         self._requests.put(iterator)
-        deadline = monotonic() + timeout
         while True:
             try:
-                ok, value = self._results.get(timeout=max(0.0, min(_POLL_S, deadline - monotonic())))
+                ok, value = self._results.get(timeout=POLL_S)
                 break
             except queue.Empty:
-                if monotonic() >= deadline:
-                    raise on_timeout(_stack_of(self.thread)) from None
+                pass
+            check()
         if not ok:
             raise value
         return value
@@ -214,7 +213,7 @@ class _LoaderThread:
                 self._results.put((False, exc))
 
 
-def _stack_of(thread: threading.Thread, depth: int = 6) -> str:
+def _stack_of(thread: threading.Thread, depth: int = 10) -> str:
     frame = sys._current_frames().get(thread.ident)
     if frame is None:
         return ""
@@ -247,10 +246,14 @@ class Engine:
     ``bodies`` maps every task to ``body(batch) -> None`` (``batch`` is a ``BatchView``: its slots and
     index) or to None when the task has nothing to do. ``device``: a CUDA device makes every task run on
     its plan stream with per-(task, batch) events; None or a CPU device runs on the host alone.
-    ``step_timeout``: seconds after which a step that has not finished, or a batch the loader has not
-    given, is reported and aborted; None waits forever. A thread cannot time itself, so with a timeout the
-    batches are pulled on an engine thread (``hstu-loader``) and a legacy plan's tasks run on one engine
-    thread (``hstu-main``) while the caller watches; without one, both run on the caller's thread. ``observers``:
+    ``step_timeout``: seconds after which a step that has not finished, a batch the loader has not given,
+    or the caller's own work around a step (``before_step``, ``watched``) that has not returned, is reported
+    and aborted; None waits forever. A thread cannot time itself, so with a timeout a watchdog thread
+    (``hstu-watchdog``, see ``watchdog.py``) keeps the deadlines, the batches are pulled on an engine thread
+    (``hstu-loader``) and a legacy plan's tasks run on one engine thread (``hstu-main``) while the caller
+    waits; without one, both run on the caller's thread. ``on_timeout``: what a timeout does besides the
+    report (name the rank, list the collectives in flight, abort the process groups, end the process);
+    by default it only reports. ``observers``:
     ``TaskObserver``s called around every task body, on the thread that runs it. ``graphs``: task ->
     ``TaskGraphs`` for tasks the plan marks capturable; between two steps, while no task runs, the engine
     captures what they have pending, on the task's stream (a capture records the work of every stream of
@@ -259,7 +262,8 @@ class Engine:
 
     def __init__(self, plan: Plan, bodies: Mapping[str, Body | None], *, device: Any = None,
                  step_timeout: float | None = None, join_timeout: float = 10.0,
-                 observers: Iterable["TaskObserver"] = (), graphs: Mapping[str, TaskGraphs] | None = None):
+                 observers: Iterable["TaskObserver"] = (), graphs: Mapping[str, TaskGraphs] | None = None,
+                 on_timeout: TimeoutActions | None = None):
         self.plan = plan
         graphs = dict(graphs or {})
         refused = [name for name in graphs if name not in plan.capturable]
@@ -271,6 +275,8 @@ class Engine:
         """(task, what) for every capture so far."""
         self._observers = tuple(observers)
         self.step_timeout = check_step_timeout(step_timeout)
+        self._on_timeout = on_timeout or TimeoutActions()
+        self._watchdog: Watchdog | None = None
         self._program = schedule(plan, bodies)
         self._lookahead = {t.name: t.lookahead for t in plan.tasks}
         self._thread_of = {t.name: t.thread for t in plan.tasks}
@@ -279,6 +285,8 @@ class Engine:
         self._join_timeout = join_timeout
         self._workers: dict[str, threading.Thread] = {}
         self._loader: _LoaderThread | None = None
+        self._pulling: tuple[int, str] | None = None  # (batch, source) while the loader thread pulls
+        self._current: tuple[int, _Step | None] = (0, None)  # the step running (or last run) and its state
         self._inboxes: dict[str, queue.SimpleQueue] = {}
         self._activity: dict[str, tuple] = {}
         self._host_waits = {s.task.name: s.host_waits for tasks in self._program.values() for s in tasks}
@@ -293,6 +301,7 @@ class Engine:
             raise EngineError(f"engine already {self._state}; an engine starts once")
         self._state = "running"
         if self.step_timeout is not None:
+            self._watchdog = Watchdog(self.step_timeout, self._timeout_report, self._on_timeout).start()
             self._loader = _LoaderThread(self._streams.enter_thread)
             self._loader.start()
         if not self.plan.legacy or self.step_timeout is not None:
@@ -310,19 +319,24 @@ class Engine:
         if self._state == "closed":
             return
         self._state = "closed"
+        join_timeout = self._join_timeout
+        if self._watchdog is not None:
+            self._watchdog.close()
+            if self._watchdog.expired is not None and self._on_timeout.end_process:
+                join_timeout = POLL_S  # threads stuck in a collective do not return; the process is ending
         for inbox in self._inboxes.values():
             inbox.put(None)
         threads = dict(self._workers)
         if self._loader is not None:
             self._loader.stop()
             threads["loader"] = self._loader.thread
-        deadline = monotonic() + self._join_timeout
+        deadline = monotonic() + join_timeout
         for worker in threads.values():
             worker.join(max(0.0, deadline - monotonic()))
         stuck = [name for name, worker in threads.items() if worker.is_alive()]
         if stuck:
-            warnings.warn(f"engine threads {stuck} did not stop within {self._join_timeout:g} s "
-                          f"(a task body is still running)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"engine threads {stuck} did not stop within {join_timeout:g} s "
+                          f"(still inside a task body or a pull)", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -333,6 +347,21 @@ class Engine:
     def stream(self, which: Stream) -> Any:
         """The CUDA stream that tasks of stream ``which`` run on (None without CUDA)."""
         return self._streams.stream(which)
+
+    def watched(self, what: str) -> contextlib.AbstractContextManager:
+        """Time the caller's own work between two steps with the step timeout (a hook that may wait for the
+        device or launch a collective); ``what`` names it in the report. A no-op without a timeout."""
+        return self._watch(WatchKind.CALLER, self._current[0], what)
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """No deadline runs in the block: the caller's work that may rightly take longer than a step (writing
+        a checkpoint). The watches open around it start over when it ends. A no-op without a timeout."""
+        return contextlib.nullcontext() if self._watchdog is None else self._watchdog.paused()
+
+    def _watch(self, kind: WatchKind, step: int, what: str, **details: Any) -> contextlib.AbstractContextManager:
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        return self._watchdog.watch(kind, step, what, **details)
 
     # ----- running ---------------------------------------------------------------------------------
 
@@ -363,17 +392,18 @@ class Engine:
         index = start - (self.plan.depth - 1)  # the fill: steps before the first batch reaches lookahead 0
         try:
             while True:
+                self._current = (index, None)
                 if limit is None:
                     limit = self._pull(iterator, ring, index + self.plan.depth - 1, index, source)
                 if limit is not None and index >= limit:
                     return
-                if before_step is not None and not before_step(index):
-                    return
-                self._capture_graphs()
-                step = self._new_step(index, start, limit, ring)
+                if before_step is not None:
+                    with self._watch(WatchKind.CALLER, index, f"before_step({index}) ({_name_of(before_step)})"):
+                        go_on = before_step(index)
+                    if not go_on:
+                        return
+                step = self._run_step(index, start, limit, ring)
                 if step is not None:
-                    self._dispatch(step)
-                    self._raise_failure(step)
                     trained = index if step.has_batch(index) else None
                     yield StepResult(index, trained, tuple(step.records))
                 ring.retire(index)
@@ -383,6 +413,17 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _run_step(self, index: int, first: int, limit: int | None, ring: Ring) -> "_Step | None":
+        with self._watch(WatchKind.STEP, index, f"waiting for the step barrier of step {index}"):
+            self._capture_graphs()
+            step = self._new_step(index, first, limit, ring)
+            if step is None:
+                return None
+            self._current = (index, step)
+            self._dispatch(step)
+        self._raise_failure(step)
+        return step
 
     def _capture_graphs(self) -> None:
         """Between steps: no worker runs a task, so a capture sees no other thread's GPU work."""
@@ -406,8 +447,13 @@ class Engine:
             if self._loader is None:
                 batch = next(iterator)
             else:
-                batch = self._loader.pull(iterator, self.step_timeout, lambda stack: LoaderTimeout(
-                    step, index, self.step_timeout, source, {"loader": f"pulling batch {index}\n{stack}"}))
+                what = f"waiting for batch {index} from the loader thread"
+                with self._watch(WatchKind.LOADER, step, what, batch=index, source=source):
+                    self._pulling = (index, source)
+                    try:
+                        batch = self._loader.pull(iterator, self._watchdog.raise_expired)
+                    finally:
+                        self._pulling = None
         except StopIteration:
             return index
         ring.put(index, batch)
@@ -452,13 +498,11 @@ class Engine:
             self._run_tasks(LEGACY_THREAD, step)
             return
         step.dispatch()
-        deadline = None if self.step_timeout is None else monotonic() + self.step_timeout
         try:
-            # Wake now and then to let a KeyboardInterrupt in and to check the deadline.
-            while not step.finished.wait(_POLL_S if deadline is None
-                                         else max(0.0, min(_POLL_S, deadline - monotonic()))):
-                if deadline is not None and monotonic() >= deadline:
-                    raise StepTimeout(step.index, self.step_timeout, self._describe_activity(step))
+            # Wake now and then to let a KeyboardInterrupt in and to raise the watchdog's timeout.
+            while not step.finished.wait(POLL_S):
+                if self._watchdog is not None:
+                    self._watchdog.raise_expired()
         except BaseException:
             step.abort()  # wake every thread waiting in this step, so that close() can join them
             raise
@@ -568,12 +612,58 @@ class Engine:
             for observer in self._observers:
                 observer.task_ended(task, entry.index, step.index, thread)
 
-    def _describe_activity(self, step: _Step) -> dict[str, str]:
+    # ----- the timeout report (built on the watchdog's thread while the others hang) --------------------
+
+    def _timeout_report(self, watch: Watch) -> StepTimeout:
+        step = self._current[1]
+        activity = self._describe_activity(step)
+        if self._loader is not None:
+            pulling = self._pulling
+            activity["loader"] = ("idle (no pull in progress)" if pulling is None else
+                                  f"pulling batch {pulling[0]} from {pulling[1]}\n{_stack_of(self._loader.thread)}")
+        caller = f"{watch.what}, on thread '{watch.thread.name}'"
+        if watch.kind == WatchKind.CALLER:
+            caller += "\n" + _stack_of(watch.thread)
+        activity["caller"] = caller
+        details = dict(rank=self._on_timeout.rank, collectives=self._collectives_in_flight())
+        if watch.kind == WatchKind.LOADER:
+            return LoaderTimeout(watch.step, watch.batch, self.step_timeout, watch.source, activity, **details)
+        if watch.kind == WatchKind.CALLER:
+            return CallerTimeout(watch.step, self.step_timeout, watch.what, activity, **details)
+        return StepTimeout(watch.step, self.step_timeout, activity, **details)
+
+    def _collectives_in_flight(self) -> list[str] | None:
+        """What the owner's recorder lists (torch's flight recorder), then the engine's own view: collective
+        tasks whose body has not returned, and, on a GPU, those whose stream work has not completed. Each
+        source that could block (a recorder's dump, the device) is waited for a bounded time."""
+        recorded = None
+        if self._on_timeout.collectives_in_flight is not None:
+            recorded = call_bounded(self._on_timeout.collectives_in_flight, "reading the collectives in flight") or []
+        engine = [f"engine: task '{activity[1]}' on batch {activity[2]} (thread '{thread}') launches collectives "
+                  f"and has not returned" for thread, activity in list(self._activity.items())
+                  if activity[0] == "running" and self.plan.task(activity[1]).collective]
+        if self._streams.enabled and self._ring is not None:
+            engine += call_bounded(self._collective_work_not_done, "querying the tasks' CUDA events") or []
+        if recorded is None and not engine:
+            return None
+        return [*(recorded or []), *engine]
+
+    def _collective_work_not_done(self) -> list[str]:
+        lines = []
+        for entry in self._ring.entries():
+            for name, event in list(entry.events.items()):
+                task = self.plan.task(name)
+                if task.collective and not event.query():
+                    lines.append(f"engine: task '{name}' on batch {entry.index} returned, but its work on stream "
+                                 f"'{task.stream}' has not completed")
+        return lines
+
+    def _describe_activity(self, step: _Step | None) -> dict[str, str]:
         frames = sys._current_frames()
         report = {}
         for thread, worker in self._workers.items():
             activity = self._activity.get(thread, ("idle",))
-            gate = step.gate_of(thread)
+            gate = None if step is None else step.gate_of(thread)
             if gate is not None:
                 task, producers = gate
                 activity = ("waiting for", "', '".join(producers), task, step.index + self._lookahead[task])
@@ -582,6 +672,10 @@ class Engine:
                 text += "\n" + _stack_of(worker)
             report[thread] = text
         return report
+
+
+def _name_of(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _describe_source(batches: Iterable[Any]) -> str:

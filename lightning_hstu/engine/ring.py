@@ -39,6 +39,10 @@ class Ring:
             raise EngineError(f"batch {index} is not in the ring")
         return entry
 
+    def entries(self) -> list[RingEntry]:
+        """The batches in flight, oldest first."""
+        return sorted((e for e in self._entries if e is not None), key=lambda e: e.index)
+
     def retire(self, index: int) -> None:
         entry = self._entries[index % self.depth]
         if entry is not None and entry.index == index:

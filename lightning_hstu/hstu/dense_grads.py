@@ -5,7 +5,9 @@ The sparse part (TorchRec embeddings) is not here: its fused optimizer updates i
 """
 
 import contextlib
+import math
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ class MegatronDenseGrads:
     parameter's ``.grad`` pointing at its all-reduced mean gradient, so any torch optimizer can step.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_size: int | None = None):
+    def __init__(self, module: nn.Module, *, bucket_size: int | None = None, timeout: timedelta | None = None):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer import TransformerConfig
@@ -29,7 +31,9 @@ class MegatronDenseGrads:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("megatron-core's DistributedDataParallel needs torch.distributed initialised")
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)  # data parallel over every rank
+            # data parallel over every rank; its groups time out like the strategy's (whole minutes here)
+            minutes = {} if timeout is None else {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)}
+            parallel_state.initialize_model_parallel(1, 1, **minutes)
         # megatron asks for a TransformerConfig, of which DDP reads only generic fields
         config = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1,
                                    cuda_graph_scope=[])  # [] means the whole layer; its default "full" is deprecated

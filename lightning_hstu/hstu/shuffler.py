@@ -8,6 +8,7 @@ lengths, then values padded to the longest rank: an all-gather-v that gloo can d
 rank's share.
 """
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,16 +82,17 @@ class BalancedShuffler:
         return [batch._with(keys, [v[:total]], [n]) for v, n, total in zip(gathered, lengths, totals)]
 
 
-def shuffle_group(enabled: bool = True):
+def shuffle_group(enabled: bool = True, timeout: "datetime.timedelta | None" = None):
     """A process group of its own for the balanced shuffler's all-gathers (None on one rank or when the
     shuffler is off). On the step's group, NCCL would run them behind that group's earlier collectives (the
     previous step's all-to-alls and gradient all-reduce), so the shuffle, which reads the gathered sizes on
     the host, would wait for the previous step's backward on the GPU; on its own group it waits only for the
     ranks' own all-gather. Every rank launches the group's collectives in the same order (one task at a
-    time, in batch order), as each group needs. Called on every rank, in the same order (it is a collective)."""
+    time, in batch order), as each group needs. Called on every rank, in the same order (it is a collective);
+    ``timeout``: the group's (the strategy's ``process_group_timeout``; None: torch's default)."""
     if not (enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    return dist.new_group()
+    return dist.new_group(timeout=timeout)
 
 
 __all__ = ["BalancedShuffler", "PendingShuffle", "hstu_cost", "shuffle_group"]

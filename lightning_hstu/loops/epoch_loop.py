@@ -71,7 +71,10 @@ class EngineEpochLoop(_TrainingEpochLoop):
                     self._strategy.step_records.extend(result.records)
                     if result.batch is None:
                         continue  # the fill: no batch reached lookahead 0 yet
-                    self._finish_batch(result)
+                    # Lightning's hooks may wait for the device (a logged loss's .item()) or launch a
+                    # collective: a rank that hangs there is reported like a hung step.
+                    with engine.watched(f"the end of batch {result.batch} (on_train_batch_end hooks, logging)"):
+                        self._finish_batch(result)
                     try:
                         self.on_advance_end(data_fetcher)
                     finally:
@@ -122,6 +125,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             graphs = module.hstu_graphs() if plan.capturable else None
             self._engine = Engine(plan, self._tasks.bodies(), device=device if device.type == "cuda" else None,
                                   step_timeout=self._strategy.step_timeout,
+                                  on_timeout=self._strategy.timeout_actions(),
                                   observers=self._strategy.engine_observers, graphs=graphs).start()
             self._strategy._engine = self._engine
         return self._engine

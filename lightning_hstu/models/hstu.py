@@ -144,9 +144,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
             cache_load_factor=hp.cache_load_factor)
-        self.dense_grads = MegatronDenseGrads(self.objectives.to(device))
-        self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size, group=shuffle_group(hp.balance_batches),
-                                         enabled=hp.balance_batches)
+        timeout = getattr(self.trainer.strategy, "process_group_timeout", None)
+        self.dense_grads = MegatronDenseGrads(self.objectives.to(device), timeout=timeout)
+        self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size,
+                                         group=shuffle_group(hp.balance_batches, timeout), enabled=hp.balance_batches)
 
     def configure_optimizers(self):
         # the sparse tables have their own (fused) optimizer

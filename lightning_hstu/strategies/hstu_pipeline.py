@@ -1,6 +1,8 @@
 """HSTUPipelineStrategy: Lightning's DDP strategy whose training epoch loop is the engine."""
 
+import contextlib
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -11,9 +13,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ..engine import Engine, TaskObserver, TaskRecord, check_step_timeout
+from ..engine import Engine, TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
 from ..plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
-from . import sharded_checkpoint
+from . import process_groups, sharded_checkpoint
 
 
 def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookahead: Mapping[str, int] | str | None,
@@ -72,9 +74,12 @@ class HSTUPipelineStrategy(DDPStrategy):
         engine: False trains with Lightning's own loop instead (everything else unchanged: the process
             groups, no torch DDP around a module that finalises its own gradients, sharded checkpoints):
             the unpipelined baseline of the same module, for comparisons.
-        step_timeout: seconds after which a step that has not finished, or a batch the train dataloader
-            has not given, is reported (with what every engine thread was doing) and training stops; None
-            waits forever. Under every preset, ``legacy_none`` included.
+        step_timeout: seconds after which a step that has not finished, a batch the train dataloader has
+            not given, or Lightning's hooks around a step that have not returned, are reported (with what
+            every thread was doing and the collectives in flight) and training stops; None waits forever.
+            Under every preset, ``legacy_none`` included. On more than one process, the rank that times out
+            aborts its process groups and ends (docs/watchdog.md). It also sets the process groups' own
+            timeout to ``2 * step_timeout + 60`` s, unless ``timeout=`` is given.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
 
     A bad preset, thread map, lookahead or step_timeout raises ``PlanError`` here, i.e. at ``Trainer(...)``;
@@ -87,6 +92,9 @@ class HSTUPipelineStrategy(DDPStrategy):
                  lookahead: Mapping[str, int] | str | None = None, prefetch: bool = True,
                  capture_graphs: bool = False, step_timeout: float | None = 600.0, engine: bool = True,
                  **ddp_kwargs: Any):
+        step_timeout = check_step_timeout(step_timeout)
+        if step_timeout is not None and ddp_kwargs.get("timeout") is None:
+            ddp_kwargs["timeout"] = process_groups.process_group_timeout(step_timeout)
         super().__init__(**ddp_kwargs)
         if capture_graphs and not engine:
             raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
@@ -96,7 +104,7 @@ class HSTUPipelineStrategy(DDPStrategy):
             raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
                             "on_train_batch_start hooks receive the training batch before its step runs")
         self.preset = preset
-        self.step_timeout = check_step_timeout(step_timeout)
+        self.step_timeout = step_timeout
         self.step_records: list[TaskRecord] = []
         """Task records of the engine steps since the previous ``on_train_batch_end`` (for callbacks)."""
         self.engine_observers: list[TaskObserver] = []
@@ -156,12 +164,32 @@ class HSTUPipelineStrategy(DDPStrategy):
         that hands work to another, as the embedding prefetch tells fbgemm where the lookup will run."""
         return self._engine.stream(self.plan.task(task).stream) if self._engine is not None else None
 
+    @property
+    def process_group_timeout(self) -> timedelta:
+        """The timeout of the process groups' collectives (``timeout=``, else from ``step_timeout``)."""
+        return self._timeout
+
     @override
     def setup_environment(self) -> None:
+        if self.step_timeout is not None:
+            process_groups.enable_flight_recorder()  # before the first process group exists
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # for all_ranks()
-            self._data_group = dist.new_group(backend="gloo")
+            self._data_group = dist.new_group(backend="gloo", timeout=self._timeout,
+                                              group_desc=process_groups.AGREEMENT_GROUP)
+
+    def timeout_actions(self) -> TimeoutActions:
+        """What the engine's watchdog does on a timeout besides the report. On several processes: name the
+        rank, list the collectives in flight, abort the process groups and end the process (a launching
+        rank first ends the ranks it launched), so that no rank waits for the process groups' timeout."""
+        if not (dist.is_available() and dist.is_initialized() and self.world_size > 1):
+            return TimeoutActions()
+        grace = TimeoutActions.grace
+        launched = getattr(self.launcher, "procs", None) or []  # Lightning's subprocess launcher, on rank 0
+        return TimeoutActions(rank=self.global_rank, collectives_in_flight=process_groups.collectives_in_flight,
+                              abort=process_groups.abort_process_groups, end_process=True, grace=grace,
+                              before_exit=lambda: process_groups.end_launched_ranks(launched, grace))
 
     def all_ranks(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank has
@@ -177,12 +205,21 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        if not sharded_checkpoint.holds_sharded(checkpoint):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
-        save_id = self.broadcast(sharded_checkpoint.new_save_id())  # one id, and one staging directory, for all ranks
-        sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
+        with self._step_timeout_paused():  # writing a checkpoint may rightly take longer than a step
+            if not sharded_checkpoint.holds_sharded(checkpoint):
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            if storage_options is not None:
+                raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
+            save_id = self.broadcast(sharded_checkpoint.new_save_id())  # one id, and one staging directory, for all ranks
+            sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._step_timeout_paused():  # Lightning's barriers wait for the slowest rank's checkpoint write
+            super().barrier(*args, **kwargs)
+
+    def _step_timeout_paused(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._engine is None else self._engine.paused()
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""A rank that hangs never hangs the job silently (docs/watchdog.md). Two gloo ranks; rank 1 stops (SIGSTOP)
+or gets stuck at one precise point: inside a task, in the ranks' per-batch agreement, in its data loader, or
+where rank 0's caller thread waits in a collective. Rank 0 reports (its rank, the step, what each thread was
+doing, the collective it waits in or the loader), and both processes end, non-zero, within the step timeout
+plus a margin."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ranks import launch_env
+
+from lightning_hstu.engine import WATCHDOG_EXIT_CODE
+
+SCRIPT = Path(__file__).parent / "scripts" / "hang_two_ranks.py"
+STEP_TIMEOUT = 5
+MARGIN = 20
+"""Seconds past the timeout within which both processes have ended: the report, Lightning's teardown, the
+wait for the launched rank to end by itself (3 s), on a loaded two-core machine."""
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads process states from /proc")
+
+
+@dataclass
+class HungRun:
+    returncode: int
+    """Rank 0's: Lightning's launcher runs rank 0, which launches rank 1."""
+    hang_to_end: float
+    """Seconds from rank 1's hang to the end of both processes."""
+    logs: list[str]
+    """What each rank printed."""
+
+
+def run_with_rank_1_hung(scenario: str, out_dir: Path, accelerator: str = "cpu") -> HungRun:
+    out_dir.mkdir()
+    pids = [out_dir / f"rank{rank}.pid" for rank in (0, 1)]
+    with open(out_dir / "launch.log", "w") as launch_log:
+        rank0 = subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(out_dir), str(STEP_TIMEOUT), accelerator],
+                                 stdout=launch_log, stderr=subprocess.STDOUT, cwd=out_dir, env=launch_env())
+    try:
+        returncode = rank0.wait(timeout=240)
+        rank1 = int(pids[1].read_text())
+        deadline = time.monotonic() + 5  # a SIGKILL takes effect soon, not at once
+        while not ended(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(rank1), "rank 1 is still running after rank 0 ended"
+        hang_to_end = time.time() - float((out_dir / "hung_at").read_text())
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+        for pid_file in pids:  # a stopped rank that nothing ended: end it here
+            if pid_file.exists():
+                kill_if_ours(int(pid_file.read_text()))
+    logs = [(out_dir / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    return HungRun(returncode, hang_to_end, logs)
+
+
+def ended(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent's wait is missing
+
+
+def kill_if_ours(pid: int) -> None:
+    try:
+        if not ended(pid) and SCRIPT.name in Path(f"/proc/{pid}/cmdline").read_text():
+            os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+def assert_ended_in_time(run: HungRun) -> None:
+    assert run.returncode != 0
+    assert run.hang_to_end < STEP_TIMEOUT + MARGIN
+
+
+def test_a_rank_stopped_inside_a_task_is_reported_with_the_collective_the_other_waits_in(tmp_path):
+    run = run_with_rank_1_hung("task", tmp_path / "out")
+    assert_ended_in_time(run)
+    assert run.returncode == WATCHDOG_EXIT_CODE
+    report = run.logs[0]
+    assert "StepTimeout: rank 0: step 6 did not finish within 5 s; what each thread was doing:" in report
+    assert "thread 'compute': running task 'backward' on batch 6" in report
+    assert "torchrec/distributed/comm_ops.py" in report  # the stack: TorchRec's all-to-all backward
+    assert "thread 'io': idle" in report and "thread 'loader': idle" in report
+    assert "thread 'caller': waiting for the step barrier of step 6, on thread 'MainThread'" in report
+    assert "collectives this rank issued that have not completed:" in report
+    assert "flight recorder: gloo:all_to_all" in report and "(default_pg)" in report
+    assert "by thread 'hstu-compute'" in report
+    assert "engine: task 'backward' on batch 6 (thread 'compute') launches collectives and has not returned" in report
+    assert "local rank 1 (pid" in report and "killed" in report  # stopped: only a SIGKILL ends it
+
+
+def test_a_rank_stopped_in_its_loader_is_reported_in_the_per_batch_agreement(tmp_path):
+    run = run_with_rank_1_hung("agreement", tmp_path / "out")
+    assert_ended_in_time(run)
+    assert run.returncode == WATCHDOG_EXIT_CODE
+    report = run.logs[0]
+    assert ("LoaderTimeout: rank 0: the data loader (train dataloader (DataLoader of Batches)) gave no batch "
+            "within 5 s") in report
+    assert "thread 'loader': pulling batch" in report
+    assert "in all_ranks" in report  # the agreement is where the pull waits
+    assert "flight recorder: gloo:all_reduce" in report and "(hstu_rank_agreement)" in report
+    assert "by thread 'hstu-loader'" in report
+    assert "local rank 1 (pid" in report and "killed" in report
+
+
+def test_a_loader_that_never_returns_is_reported_by_its_own_rank_and_the_other(tmp_path):
+    run = run_with_rank_1_hung("loader", tmp_path / "out")
+    assert_ended_in_time(run)
+    stuck, waiting = run.logs[1], run.logs[0]
+    assert ("LoaderTimeout: rank 1: the data loader (train dataloader (DataLoader of Batches)) gave no batch "
+            "within 5 s") in stuck
+    assert "in __iter__" in stuck and "threading.Event().wait()" in stuck  # where the loader hangs
+    assert "collectives this rank issued that have not completed: none" in stuck
+    assert f"rank 1: ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})" in stuck
+    assert "LoaderTimeout: rank 0: the data loader" in waiting
+    assert "(hstu_rank_agreement)" in waiting
+
+
+def test_a_caller_stuck_in_a_collective_is_reported_by_the_watchdog_which_ends_the_process(tmp_path):
+    run = run_with_rank_1_hung("caller", tmp_path / "out")
+    assert_ended_in_time(run)
+    assert run.returncode == WATCHDOG_EXIT_CODE
+    report = run.logs[0]
+    assert ("CallerTimeout: rank 0: the caller's thread did not return from before_step(6) "
+            "(EngineEpochLoop._before_step) within 5 s (step 6)") in report
+    assert "in on_train_batch_start" in report and "dist.all_reduce(torch.ones(1, device=self.device))" in report
+    assert "flight recorder: gloo:all_reduce" in report and "(default_pg)" in report
+    assert "by thread 'MainThread'" in report
+    assert "rank 0: the caller's thread is the one that hangs: nothing can be raised there" in report
+    assert "local rank 1 (pid" in report and "killed" in report
