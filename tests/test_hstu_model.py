@@ -158,7 +158,7 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
     result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
                              "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}",
                              "--trainer.callbacks+=lightning_hstu.callbacks.CollectiveInventoryCallback",
-                             "--trainer.callbacks.init_args.batch=10"],
+                             "--trainer.callbacks.init_args.batch=10", "--trainer.callbacks.init_args.trace_dir=traces"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {m.group(1): (int(m.group(2)), int(m.group(3)))
@@ -187,6 +187,10 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
         "backward": ["alltoall"],  # embedding output, backward
         "finalize_model_grads": ["allreduce"],  # megatron-core's gradient bucket
     }
+    # the trace the table was read from is kept, one per rank, with the engine's task ranges in it
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "traces" / f"collectives_batch10_rank{rank}.json").read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("[engine] finalize_model_grads@") for e in events)
 
 
 def test_an_embedding_cache_on_cpu_is_refused_with_the_reason():
@@ -250,12 +254,16 @@ def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
 
 @pytest.mark.parametrize("engine", [True, False])
 def test_the_logger_gets_every_training_metric_at_its_interval(engine, tmp_path):
-    """The loss is logged at every step; its parts only where Lightning writes to the logger: the logger's
-    rows are those of a module that logs everything at every step."""
+    """The loss and its parts are logged where Lightning writes to the logger (and nowhere else: a log call
+    costs host time): the logger's rows are those of a module that logs everything at every step."""
     from lightning.pytorch.loggers import CSVLogger
 
-    fit_hstu(strategy=HSTUPipelineStrategy("default_d6", engine=engine), epochs=1, max_steps=7,
-             limit_val_batches=0, log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=0))
+    _, trainer, recorder = fit_hstu(strategy=HSTUPipelineStrategy("default_d6", engine=engine), epochs=1, max_steps=7,
+                                    limit_val_batches=0, log_every_n_steps=3,
+                                    logger=CSVLogger(tmp_path, name="", version=0))
+    # what callbacks and the progress bar see after the fit is the last logged step's loss (step 5, not 6)
+    assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(recorder.losses[5], rel=1e-6)
+    assert recorder.losses[5] != recorder.losses[6]
     with open(tmp_path / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     for name in ("train/loss", "train/retrieval", "train/ranking"):

@@ -49,7 +49,8 @@ def run_with_rank_1_hung(scenario: str, out_dir: Path, accelerator: str = "cpu")
         deadline = time.monotonic() + 5  # a SIGKILL takes effect soon, not at once
         while not ended(rank1) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ended(rank1), "rank 1 is still running after rank 0 ended"
+        assert ended(rank1), (f"rank 1 is still running after rank 0 ended (exit code {returncode}); rank 0's "
+                              f"log ends with:\n{(out_dir / 'rank0.log').read_text()[-3000:]}")
         hang_to_end = time.time() - float((out_dir / "hung_at").read_text())
     finally:
         if rank0.poll() is None:

@@ -52,12 +52,16 @@ class CollectiveInventoryCallback(Callback):
     rank launches the same collectives in the same order: after each recorded step the ranks exchange
     their sequences of (task, batch, operation) and, if any differ, every rank raises ``RuntimeError``
     naming the first difference (payload sizes may differ between ranks: all-to-all splits, all-gather-v).
+
+    ``trace_dir``: also keep the profiler trace each inventory was read from there, as
+    ``collectives_batch<B>_rank<R>.json`` (Chrome trace format: Perfetto opens it).
     """
 
     def __init__(self, batch: int | list[int] = 5, path: str | None = "collectives.json", print_table: bool = True,
-                 compare_ranks: bool = False):
+                 compare_ranks: bool = False, trace_dir: str | None = None):
         self.batches = {batch} if isinstance(batch, int) else set(batch)
         self.path, self.print_table, self.compare_ranks = path, print_table, compare_ranks
+        self.trace_dir = trace_dir
         self.inventory: list[Collective] = []
         """The collectives of the last recorded step, on this rank."""
         self.compared = 0
@@ -104,8 +108,12 @@ class CollectiveInventoryCallback(Callback):
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as tmp:
-            profiler.export_chrome_trace(f"{tmp}/trace.json")
-            self.inventory = inventory_from(json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"])
+            trace = Path(tmp, "trace.json")
+            if self.trace_dir is not None:
+                Path(self.trace_dir).mkdir(parents=True, exist_ok=True)
+                trace = Path(self.trace_dir, f"collectives_batch{self._seen - 1}_rank{trainer.global_rank}.json")
+            profiler.export_chrome_trace(str(trace))
+            self.inventory = inventory_from(json.loads(trace.read_text())["traceEvents"])
         self._report()
         if self.compare_ranks and dist.is_initialized() and dist.get_world_size() > 1:
             self._compare()

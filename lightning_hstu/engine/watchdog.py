@@ -192,9 +192,11 @@ class Watchdog:
                                 f"step {watch.step}: the watchdog could not build its report ({exc!r})")
         expiry = self._expiry = _Expiry(error, watch)
         actions = self.actions
+        if actions.end_process:
+            # Whichever way the process ends from here, it ends like this: an abort may unblock the caller,
+            # whose exit would otherwise end this (daemon) thread before it ends the launched ranks.
+            atexit.register(self._end_process)
         if watch.caller_raises:
-            if actions.end_process:
-                atexit.register(self._end_process)  # whichever way the process ends, it ends like this
             expiry.picked_up.wait(4 * POLL_S)  # the report is out (raised) before anything is aborted
             self._abort()
             if not actions.end_process:

@@ -57,12 +57,13 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--trace-dir", help="keep the profiler trace of each recorded step there")
     args = parser.parse_args()
     model_kwargs, data = model_and_data(args.accelerator)
     pl.seed_everything(0, verbose=False)
     model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**model_kwargs)
     check = EveryInventory(batch=[5, args.steps // 2, args.steps - 1], path=None, print_table=False,
-                                        compare_ranks=True)
+                           compare_ranks=True, trace_dir=args.trace_dir)
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy(args.preset), accelerator=args.accelerator, devices=2,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[check])
