@@ -2,7 +2,7 @@
 TrainPipelineSparseDist, the engine's presets and the fastest preset with graph-captured dense compute,
 each preset both driven directly (``(Engine)`` rows: ``Engine.run`` over the task bodies) and through the
 user's path (``Trainer(strategy=HSTUPipelineStrategy(preset, ...))``; the difference is the strategy's
-own cost): steady-state ms/step (median and spread of several repeats), samples/s, GPU kernel time per
+own cost): steady-state ms/step (median, best and spread of several repeats), samples/s, GPU kernel time per
 step, MFU, peak memory, the exposed side chain ("exposed": host ms per step that the tasks of lookahead
 > 0 cost the thread running the forward, by running there or by being waited for) and host time per
 engine thread. Prints a table.
@@ -223,7 +223,7 @@ def measure_trainer(mode, strategy, sizes, batches, warmup, steps, repeats, devi
     _reset_peak(device)
     trainer.fit(model, _Batches(loop, num_items))
     times = timer.times[:repeats]
-    return {"mode": mode, "ms": statistics.median(times), "spread": max(times) - min(times),
+    return {"mode": mode, "ms": statistics.median(times), "best": min(times), "spread": max(times) - min(times),
             "kernel_ms": timer.kernel_ms, "records": recorder.records or None, "record_steps": recorder.steps,
             "peak_gib": _peak_gib(device), "plan": strategy.plan if strategy.use_engine else None}
 
@@ -271,7 +271,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         ms, extra = timed(run, batches[warmup:], device)
         times.append(ms)
         records = extra if isinstance(extra, list) else records
-    return {"mode": name, "ms": statistics.median(times), "spread": max(times) - min(times),
+    return {"mode": name, "ms": statistics.median(times), "best": min(times), "spread": max(times) - min(times),
             "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records,
             "record_steps": len(batches) - warmup, "peak_gib": _peak_gib(device), "plan": plan}
 
@@ -354,7 +354,7 @@ def report(say, results, model, measured, negatives, world, steps):
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
-    say(f"{'mode':<25} {'ms/step':>8} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
+    say(f"{'mode':<25} {'ms/step':>8} {'best':>6} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
         f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8} {'exposed':>7}  host ms/step per engine thread "
         f"(rank 0)")
     for r in results:
@@ -363,7 +363,7 @@ def report(say, results, model, measured, negatives, world, steps):
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
         exposed = "-" if exposed is None else f"{exposed:.2f}"
-        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
+        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
             f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
             f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
             f"{thread_host_ms(r['records'], r['record_steps'])}")
