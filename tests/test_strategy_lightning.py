@@ -202,7 +202,7 @@ class TokenNormalised(ToyRecommender):
 
     def training_step(self, batch, batch_idx):
         items, ratings = batch
-        tokens = self.trainer.strategy.batch_slots["global_tokens"]
+        tokens = self.trainer.strategy.step_context.slots["global_tokens"]
         return nn.functional.mse_loss(self(items), ratings, reduction="sum") * ratings.numel() / tokens
 
 

@@ -6,5 +6,6 @@ check_version()
 
 from .epoch_loop import EngineEpochLoop, EngineFitLoop, install_engine_loop  # noqa: E402 (after the check)
 from .errors import CheckpointError  # noqa: E402
+from .step_context import StepContext  # noqa: E402
 
-__all__ = ["CheckpointError", "EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]
+__all__ = ["CheckpointError", "EngineEpochLoop", "EngineFitLoop", "StepContext", "install_engine_loop"]

@@ -20,10 +20,11 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
-from ..engine import Engine, StepResult
+from ..engine import Engine, StepResult, TaskRecord
 from .epoch_batches import EpochBatches
 from .errors import CheckpointError
 from .lightning_tasks import LightningTasks, TrainBatch
+from .step_context import StepContext
 
 if TYPE_CHECKING:
     from ..strategies.hstu_pipeline import HSTUPipelineStrategy
@@ -32,11 +33,15 @@ _warnings = WarningCache()
 
 
 class EngineEpochLoop(_TrainingEpochLoop):
+    """Owns the engine: starts it at the first epoch, runs an engine step per batch, closes it at teardown
+    (or when the strategy reports an exception)."""
+
     def __init__(self, trainer, min_steps, max_steps, strategy: "HSTUPipelineStrategy"):
         super().__init__(trainer, min_steps, max_steps)
         self._strategy = strategy
         self._tasks = LightningTasks(trainer)
         self._engine: Engine | None = None
+        self._records: list[TaskRecord] = []  # of the engine steps since the last batch ended
         self._batches: EpochBatches | None = None
         self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
         self._profiling = False  # Lightning's "run_training_batch" profiler section is open
@@ -68,7 +73,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             with contextlib.closing(engine.steps(self._batches, self._before_step, start=start,
                                                  source=self._batches.describe())) as steps:
                 for result in steps:
-                    self._strategy.step_records.extend(result.records)
+                    self._records.extend(result.records)
                     if result.batch is None:
                         continue  # the fill: no batch reached lookahead 0 yet
                     # Lightning's hooks may wait for the device (a logged loss's .item()) or launch a
@@ -127,7 +132,11 @@ class EngineEpochLoop(_TrainingEpochLoop):
                                   step_timeout=self._strategy.step_timeout,
                                   on_timeout=self._strategy.timeout_actions(),
                                   observers=self._strategy.engine_observers, graphs=graphs).start()
-            self._strategy._engine = self._engine
+        return self._engine
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine (None before the first epoch starts it and after it is closed)."""
         return self._engine
 
     # ----- around each step ------------------------------------------------------------------------
@@ -146,7 +155,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer._logger_connector.on_batch_start(batch)
         if batch is None:
             _warnings.warn("train_dataloader yielded None. If this was on purpose, ignore this warning...")
-            self._tasks.current = TrainBatch(batch_idx, OrderedDict(), False, skip=True)
+            self._tasks.current = TrainBatch(batch_idx, OrderedDict(), False, self._context(step), skip=True)
             return True
         call._call_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
         response = call._call_lightning_module_hook(trainer, "on_train_batch_start", batch, batch_idx)
@@ -159,7 +168,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             return False
         self.batch_progress.increment_started()
         kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
-        self._tasks.current = TrainBatch(batch_idx, kwargs, self._should_accumulate())
+        self._tasks.current = TrainBatch(batch_idx, kwargs, self._should_accumulate(), self._context(step))
         trainer.profiler.start("run_training_batch")  # Lightning's section: this batch's lookahead-0 tasks
         self._profiling = True
         return True
@@ -184,7 +193,11 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer._logger_connector.on_batch_end()
         self.batch_progress.increment_completed()
         trainer._logger_connector.update_train_step_metrics()
-        self._strategy.step_records = []
+        self._records = []
+
+    def _context(self, step: int) -> StepContext:
+        engine = self._engine
+        return StepContext(step, engine.slots(step), engine.plan, engine, self._strategy.all_ranks)
 
     def _is_last(self, step: int) -> bool:
         # The ring has pulled ahead, so the end of data is usually known already (always with depth >= 2).
@@ -194,11 +207,15 @@ class EngineEpochLoop(_TrainingEpochLoop):
 
     # ----- checkpoints and teardown ----------------------------------------------------------------
 
-    def batch_slots(self) -> Any:
-        """The slots of the batch being trained, read-only (None outside a batch)."""
-        if self._engine is None or self._tasks.current is None:
-            return None
-        return self._engine.slots(self._tasks.current.batch_idx)
+    @property
+    def step_context(self) -> StepContext | None:
+        """The step training the current batch (None outside a batch)."""
+        current = self._tasks.current
+        return None if current is None else current.context
+
+    def step_records(self) -> tuple[TaskRecord, ...]:
+        """The task records of the engine steps since the previous batch ended (the fill's steps included)."""
+        return tuple(self._records)
 
     @override
     def on_save_checkpoint(self) -> dict:
@@ -243,8 +260,9 @@ class EngineFitLoop(_FitLoop):
         return state
 
 
-def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> None:
-    """Replace the trainer's fit loop by one whose epoch loop is the engine, keeping its settings."""
+def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> EngineEpochLoop:
+    """Replace the trainer's fit loop by one whose epoch loop is the engine, keeping its settings; return
+    that epoch loop."""
     old = trainer.fit_loop
     loop = EngineFitLoop(trainer, min_epochs=old.min_epochs, max_epochs=old.max_epochs)
     loop._data_source = old._data_source
@@ -252,6 +270,7 @@ def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> None:
     epoch_loop.val_loop = old.epoch_loop.val_loop
     loop.epoch_loop = epoch_loop
     trainer.fit_loop = loop
+    return epoch_loop
 
 
 def _sizes(sizes: list[int | None]) -> str:

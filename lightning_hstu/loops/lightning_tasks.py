@@ -25,6 +25,7 @@ from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from ..engine import SKIPPED, BatchView
+from .step_context import StepContext
 
 _warnings = WarningCache()
 
@@ -43,6 +44,8 @@ class TrainBatch:
     """Arguments of ``training_step``."""
     should_accumulate: bool
     """Accumulate gradients: no optimizer step, no gradient sync after this batch."""
+    context: StepContext
+    """What ``training_step`` reads of its step (``trainer.strategy.step_context``)."""
     skip: bool = False
     """The loader yielded None: Lightning warns and trains nothing on this batch."""
     result: ClosureResult | None = None

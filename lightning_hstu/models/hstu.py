@@ -281,30 +281,40 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         self._last_batch = batch  # for flops_per_batch (read only if asked: it waits for the lengths)
-        strategy = self.trainer.strategy
-        slots = getattr(strategy, "batch_slots", None)
-        if slots is not None:  # the engine's tasks looked up the embeddings and counted the tokens
-            embeddings, tokens = slots["embeddings"], slots["global_tokens"]
-        else:  # Lightning's own loop: all of it here, in order (no balanced shuffle)
-            self._unpipelined_batch = batch_idx
-            embeddings = self.embeddings(self.sparse_features(batch))
-            tokens = global_tokens(batch)
-        capturing = slots is not None and strategy.plan.task("forward").capturable
-        graphed = self.hstu_graphs()["forward"] if capturing else None
+        embeddings, tokens, graphed = self._step_inputs(batch, batch_idx)
         retrieval, ranking = dense_losses(self.objectives, batch, embeddings, graphed)
         scale = global_token_scale(tokens)
-        loss = (retrieval + ranking) * scale
-        if self.hparams.on_nonfinite_loss == "stop":  # no wait for the GPU here: the watchdog task checks
-            self._finite_flags[batch_idx] = torch.isfinite(loss.detach())
-        elif not (strategy.all_ranks(bool(torch.isfinite(loss))) if slots is not None
-                  else strategy.reduce_boolean_decision(bool(torch.isfinite(loss)))):
-            # Every rank must still run backward (its all-to-alls and all-reduces are collectives), and no
-            # non-finite gradient may reach the fused embedding update: backpropagate an exact zero.
-            self._nonfinite.add(batch_idx)
-            loss = sum(p.sum() for p in self.objectives.parameters()) * 0.0
-            loss = loss + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
+        loss = self._checked((retrieval + ranking) * scale, batch_idx, embeddings)
         self._log_step(batch.size, loss, retrieval * scale, ranking * scale)
         return loss
+
+    def _step_inputs(self, batch: HSTUBatch, batch_idx: int) -> tuple[dict, torch.Tensor, GraphedMethod | None]:
+        """The batch's embeddings, the global token count and the graphs to run the dense part through (None:
+        eager). Under the engine its tasks produced the first two; under Lightning's own loop they are
+        computed here, in order (and the batch is not shuffled across ranks)."""
+        step = getattr(self.trainer.strategy, "step_context", None)
+        if step is not None:
+            graphed = self.hstu_graphs()["forward"] if step.captured else None
+            return step.slots["embeddings"], step.slots["global_tokens"], graphed
+        self._unpipelined_batch = batch_idx
+        return self.embeddings(self.sparse_features(batch)), global_tokens(batch), None
+
+    def _checked(self, loss: torch.Tensor, batch_idx: int, embeddings: dict) -> torch.Tensor:
+        """``on_nonfinite_loss``: "stop" keeps the finite flag for the watchdog task (no wait here); "raise" and
+        "skip" agree on it across ranks before backward, waiting for the forward on the GPU, and turn a
+        non-finite loss into an exact zero: every rank must still run backward (its all-to-alls and
+        all-reduces are collectives), and no non-finite gradient may reach the fused embedding update."""
+        if self.hparams.on_nonfinite_loss == "stop":
+            self._finite_flags[batch_idx] = torch.isfinite(loss.detach())
+            return loss
+        strategy = self.trainer.strategy
+        step = getattr(strategy, "step_context", None)
+        finite = bool(torch.isfinite(loss))
+        if step.all_ranks(finite) if step is not None else strategy.reduce_boolean_decision(finite):
+            return loss
+        self._nonfinite.add(batch_idx)
+        zero = sum(p.sum() for p in self.objectives.parameters()) * 0.0
+        return zero + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
 
     def _log_step(self, batch_size: int, loss: torch.Tensor, retrieval: torch.Tensor, ranking: torch.Tensor) -> None:
         """The loss, its two parts and the shuffler's balance at the steps where Lightning writes metrics to

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ..engine import Engine, TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
+from ..engine import TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
 from ..plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
 from . import process_groups, sharded_checkpoint
 
@@ -105,11 +105,9 @@ class HSTUPipelineStrategy(DDPStrategy):
                             "on_train_batch_start hooks receive the training batch before its step runs")
         self.preset = preset
         self.step_timeout = step_timeout
-        self.step_records: list[TaskRecord] = []
-        """Task records of the engine steps since the previous ``on_train_batch_end`` (for callbacks)."""
         self.engine_observers: list[TaskObserver] = []
         """Called around every task on its thread; callbacks add theirs in ``setup`` (NVTXCallback)."""
-        self._engine: Engine | None = None
+        self._epoch_loop: Any = None  # the engine's epoch loop, which owns the engine (while fitting)
         self._data_group: Any = None
 
     @classmethod
@@ -142,7 +140,7 @@ class HSTUPipelineStrategy(DDPStrategy):
                 f"(HSTURecommender does); use capture_graphs=False for this module")
         from ..loops import install_engine_loop
 
-        install_engine_loop(trainer, self)
+        self._epoch_loop = install_engine_loop(trainer, self)
 
     @override
     def configure_ddp(self) -> None:
@@ -153,16 +151,27 @@ class HSTUPipelineStrategy(DDPStrategy):
         super().configure_ddp()
 
     @property
-    def batch_slots(self) -> Mapping[str, Any] | None:
-        """The engine's slots of the batch being trained (``embeddings``, ``global_tokens``, ...), read-only:
-        how ``training_step`` reads what the module's ``hstu_<task>`` hooks produced for its batch."""
-        loop = self.lightning_module.trainer.fit_loop.epoch_loop if self.lightning_module else None
-        return loop.batch_slots() if hasattr(loop, "batch_slots") else None
+    def step_context(self) -> Any:
+        """The step training the current batch (``lightning_hstu.loops.StepContext``: its slots, such as
+        ``embeddings`` and ``global_tokens``, the task streams, the ranks' agreement), read during the batch
+        by ``training_step``; None outside a training batch and under Lightning's own loop (``engine=False``)."""
+        return None if self._epoch_loop is None else self._epoch_loop.step_context
+
+    @property
+    def step_records(self) -> tuple[TaskRecord, ...]:
+        """Task records of the engine steps since the previous batch ended: what callbacks read in
+        ``on_train_batch_end``."""
+        return () if self._epoch_loop is None else self._epoch_loop.step_records()
 
     def task_stream(self, task: str) -> Any:
         """The CUDA stream the engine runs ``task`` on (None on CPU or before the engine started): for a task
         that hands work to another, as the embedding prefetch tells fbgemm where the lookup will run."""
-        return self._engine.stream(self.plan.task(task).stream) if self._engine is not None else None
+        engine = self._engine
+        return engine.stream(self.plan.task(task).stream) if engine is not None else None
+
+    @property
+    def _engine(self) -> Any:
+        return None if self._epoch_loop is None else self._epoch_loop.engine
 
     @property
     def process_group_timeout(self) -> timedelta:
@@ -232,14 +241,11 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._close_engine()
+        if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down
+            self._epoch_loop.close_engine()
 
     @override
     def teardown(self) -> None:
-        self._close_engine()
+        if self._epoch_loop is not None:
+            self._epoch_loop.close_engine()
         super().teardown()
-
-    def _close_engine(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
