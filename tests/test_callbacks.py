@@ -113,3 +113,23 @@ def test_the_inventory_gives_autograds_backward_collectives_to_the_backward_task
     got = [(c.task, c.batch, c.thread, c.operation, c.payload_bytes) for c in inventory_from(trace)]
     assert got == [("start_shuffle", 9, "io", "allgather", None),
                    ("backward", 7, AUTOGRAD_THREAD, "alltoall", 64 * 8 * 4)]
+
+
+def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_drivers_kernel_launch():
+    """NCCL: no backend event to pair with; ``record_param_comms`` inside the launch has the size, dtype and
+    process group, and the kernel is launched through the driver API (cuLaunchKernelEx)."""
+    from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
+
+    def event(name, tid, ts, dur, cat="cpu_op", **args):
+        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    trace = [event(f"{RANGE_PREFIX}wait_input_dist@4|data_dist", 1, 100, 50),
+             event("c10d::alltoall_base_", 1, 110, 20),
+             event("record_param_comms", 1, 111, 15, **{"In msg nelems": 96, "dtype": "Long",
+                                                       "Process Group Name": "0",
+                                                       "Process Group Description": "default_pg"}),
+             event("cuLaunchKernelEx", 1, 115, 2, cat="cuda_driver", correlation=42),
+             event("ncclDevKernel_SendRecv", 7, 116, 30, cat="kernel", correlation=42, stream=13)]
+    (got,) = inventory_from(trace)
+    assert (got.task, got.batch, got.thread, got.operation) == ("wait_input_dist", 4, "data_dist", "alltoall")
+    assert (got.payload_bytes, got.process_group, got.stream) == (96 * 8, "0 (default_pg)", 13)

@@ -151,7 +151,9 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
     for e in sorted(slices, key=lambda e: e["ts"]):
         if e["name"].startswith(("gloo:", "nccl:")):
             backend.setdefault(_operation(e["name"]), []).append(e)
-    runtime = [e for e in slices if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})]
+    # the launch of a collective's kernel: the runtime API, or the driver's (NCCL launches with cuLaunchKernelEx)
+    runtime = [e for e in slices
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})]
     kernels = {e["args"]["correlation"]: e for e in slices  # (one rank's NCCL may only copy: gpu_memcpy)
                if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {})}
     engine_tids = {r["tid"] for r in ranges}
@@ -170,13 +172,17 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
             task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")[0], AUTOGRAD_THREAD
         task, batch = task_batch.split("@")
         inside = lambda events: [e for e in events if e["tid"] == launch["tid"] and _within(e, launch)]  # noqa: E731
-        group = next((_group(e["args"]) for e in inside(comms)), None)
+        params = next((e["args"] for e in inside(comms)), {})
+        group = _group(params)
         streams = [kernels[e["args"]["correlation"]]["args"].get("stream") for e in inside(runtime)
                    if e["args"]["correlation"] in kernels]
         operation = _operation(launch["name"])
         done = backend.get(operation, [])
-        inventory.append(Collective(task, int(batch), thread, operation, _bytes(done.pop(0)["args"]) if done else None,
-                                    group, streams[0] if streams else None))
+        payload = _bytes(done.pop(0)["args"]) if done else None
+        if payload is None:  # no backend event to pair with (NCCL's record_param_comms carries the size)
+            payload = _comms_bytes(params)
+        inventory.append(Collective(task, int(batch), thread, operation, payload, group,
+                                    streams[0] if streams else None))
     return inventory
 
 
@@ -203,8 +209,21 @@ def _bytes(args: dict) -> int | None:
     shapes, types = args.get("Input Dims"), args.get("Input type")
     if not shapes or not types or not types[0] or not isinstance(shapes[0], list):
         return None
-    dtype = _DTYPES.get(types[0]) or getattr(torch, types[0].replace("c10::", "").lower(), None)
-    return math.prod(shapes[0]) * dtype.itemsize if isinstance(dtype, torch.dtype) else None
+    dtype = _dtype(types[0])
+    return math.prod(shapes[0]) * dtype.itemsize if dtype is not None else None
+
+
+def _comms_bytes(args: dict) -> int | None:
+    """Bytes of a collective's input from its ``record_param_comms`` record (element count and dtype)."""
+    count, dtype = args.get("In msg nelems"), _dtype(args.get("dtype"))
+    return int(count) * dtype.itemsize if isinstance(count, int) and dtype is not None else None
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if not name:
+        return None
+    dtype = _DTYPES.get(name.lower()) or getattr(torch, name.replace("c10::", "").lower(), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 _DTYPES = {"float": torch.float32, "double": torch.float64, "long int": torch.int64, "int": torch.int32,
