@@ -44,15 +44,16 @@ from torch.utils.data import DataLoader
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from hstu_baselines import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
+
 from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, get_plan
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
 from lightning_hstu.hstu.graphs import GraphedMethod
-from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
 from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
+from lightning_hstu.hstu.tasks import GRAPH_TASKS
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
-from lightning_hstu.plan import GRAPH_TASKS
 
 WORKLOADS = {
     "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
@@ -363,7 +364,8 @@ def report(say, results, model, measured, negatives, world, steps):
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
         exposed = "-" if exposed is None else f"{exposed:.2f}"
-        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} {32e3 / r['ms']:>9.0f}{global_rate} "
+        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} "
+            f"{32e3 / r['ms']:>9.0f}{global_rate} "
             f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
             f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
             f"{thread_host_ms(r['records'], r['record_steps'])}")

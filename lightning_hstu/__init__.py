@@ -5,7 +5,8 @@ loop -> callbacks and CLI. Lower layers never import upper ones.
 """
 
 from .engine import SKIPPED, Engine, EngineError, StepTimeout, TaskError, TaskRecord
-from .plan import PRESET_NAMES, Plan, PlanError, Stream, get_plan, make_plan
+from .hstu.presets import PRESET_NAMES, get_plan, make_plan
+from .plan import Plan, PlanError, Stream
 from .strategies import HSTUPipelineStrategy  # registers "hstu_<preset>" with Lightning
 
 __version__ = "0.1.0"

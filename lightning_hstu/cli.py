@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from .plan import GRAPH_TASKS, PRESET_NAMES, THREAD_MAPS, Plan, PlanError, get_plan, make_plan
+from .hstu.presets import DEFAULT_PRESET, NO_THREAD_MAP, PRESET_NAMES, THREAD_MAPS, resolve_plan
+from .hstu.tasks import GRAPH_TASKS
+from .plan import Plan, PlanError
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -92,9 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-hstu", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="command")
 
-    presets = commands.add_parser("presets", help="print the presets' plans, or a custom plan")
-    presets.add_argument("names", nargs="*", help="presets to show (default: all nine)")
-    _add_custom_plan_args(presets)
+    presets = commands.add_parser("presets", help="print the presets' plans, or a preset's plan with changes")
+    presets.add_argument("names", nargs="*",
+                         help=f"presets to show (default: all nine); with --cascade, --thread-map or --ticket-order "
+                              f"at most one, the plan they change (default: {DEFAULT_PRESET})")
+    _add_plan_changes(presets)
     presets.add_argument("--verbose", "-v", action="store_true", help="one block per plan, with tickets")
     presets.add_argument("--plot", metavar="DIR", help="also draw each plan's topology into DIR (PNG and SVG)")
     presets.add_argument("--capture-graphs", action="store_true",
@@ -102,34 +106,42 @@ def _parser() -> argparse.ArgumentParser:
     presets.set_defaults(run=_presets)
 
     demo = commands.add_parser("demo", help="run a plan over a toy CPU workload and print per-task timing")
-    demo.add_argument("--preset", default="default_d6", help=f"one of: {', '.join(PRESET_NAMES)}")
-    _add_custom_plan_args(demo)
+    demo.add_argument("--preset", default=DEFAULT_PRESET,
+                      help=f"one of: {', '.join(PRESET_NAMES)} (default: {DEFAULT_PRESET}); the options below change "
+                           f"its plan")
+    _add_plan_changes(demo)
     demo.add_argument("--steps", type=int, default=64, help="batches to train (default 64)")
     demo.set_defaults(run=_demo)
     return parser
 
 
-def _add_custom_plan_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("custom plan (instead of a preset)")
-    group.add_argument("--cascade", help='"d3", "d6" or JSON {"task": lookahead, ...}')
-    group.add_argument("--thread-map",
-                       help=f'{", ".join(THREAD_MAPS)}, "none" (legacy) or JSON {{"task": "thread", ...}}')
+def _add_plan_changes(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "changes to a preset's plan",
+        "--cascade, --thread-map and --ticket-order replace that part of the preset's plan and keep the rest, as "
+        "HSTUPipelineStrategy(preset, lookahead=..., thread_map=...) does; the plan is then named 'custom'. "
+        "--no-prefetch changes any plan and keeps its name.")
+    group.add_argument("--cascade", help='"d3", "d6" or JSON {"task": lookahead, ...} (tasks not named: 0)')
+    group.add_argument("--thread-map", help=f'{", ".join(THREAD_MAPS)}, "{NO_THREAD_MAP}" (every task on the '
+                                            f'caller\'s thread) or JSON {{"task": "thread", ...}}')
     group.add_argument("--no-prefetch", action="store_true", help="no prefetch_embeddings -> backward sync")
     group.add_argument("--ticket-order", help="collective tasks in launch order, comma-separated")
 
 
-def _custom_plan(args: argparse.Namespace, capturable=()) -> Plan | None:
-    if args.cascade is None and args.thread_map is None and args.ticket_order is None and not args.no_prefetch:
-        return None
-    cascade = _json_or_name(args.cascade or "d6", "--cascade")
-    thread_map = args.thread_map or "default"
-    thread_map = None if thread_map == "none" else _json_or_name(thread_map, "--thread-map")
-    tickets = args.ticket_order.split(",") if args.ticket_order else None
-    return make_plan(cascade, thread_map, not args.no_prefetch, ticket_order=tickets, capturable=capturable)
+def _replaces_parts(args: argparse.Namespace) -> bool:
+    return args.cascade is not None or args.thread_map is not None or args.ticket_order is not None
 
 
-def _json_or_name(text: str, option: str):
-    if not text.lstrip().startswith("{"):
+def _plan(args: argparse.Namespace, preset: str, capturable=()) -> Plan:
+    """``preset``'s plan with the changes the options ask for (``resolve_plan``, as the strategy)."""
+    return resolve_plan(preset, cascade=_json_or_name(args.cascade, "--cascade"),
+                        thread_map=_json_or_name(args.thread_map, "--thread-map"), prefetch=not args.no_prefetch,
+                        ticket_order=args.ticket_order.split(",") if args.ticket_order else None,
+                        capturable=capturable)
+
+
+def _json_or_name(text: str | None, option: str):
+    if text is None or not text.lstrip().startswith("{"):
         return text
     try:
         return json.loads(text)
@@ -139,9 +151,13 @@ def _json_or_name(text: str, option: str):
 
 def _presets(args: argparse.Namespace) -> int:
     capturable = GRAPH_TASKS if args.capture_graphs else ()
-    custom = _custom_plan(args, capturable)
-    plans = ([custom] if custom is not None
-             else [get_plan(n, capturable=capturable) for n in (args.names or PRESET_NAMES)])
+    names = args.names or PRESET_NAMES
+    if _replaces_parts(args):
+        if len(args.names) > 1:
+            raise PlanError(f"--cascade, --thread-map and --ticket-order change one preset's plan, got "
+                            f"{len(args.names)} presets: {', '.join(args.names)}")
+        names = args.names or [DEFAULT_PRESET]
+    plans = [_plan(args, name, capturable) for name in names]
     if args.verbose:
         print("\n\n".join(plan.describe() for plan in plans))
     else:
@@ -156,7 +172,7 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def format_preset_table(plans: list[Plan]) -> str:
-    """One row per plan, like the seed's table: name, cascade, depth, threads with their tasks, waits."""
+    """One row per plan: name, cascade, depth, threads with their tasks, waits."""
     rows = [("preset", "cascade", "depth", "threads (task@lookahead)", "waits")]
     for plan in plans:
         threads = " | ".join(f"{thread}: " + " ".join(f"{n}@{plan.task(n).lookahead}" for n in names)
@@ -172,7 +188,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise PlanError(f"--steps must be at least 1, got {args.steps}")
-    plan = _custom_plan(args) or get_plan(args.preset)
+    plan = _plan(args, args.preset)
     print(demo(plan, args.steps))
     return 0
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from .engine import Engine, TaskRecord, format_summary, summarize
+from .hstu.presets import get_plan
+from .hstu.tasks import HSTU_TASK_NAMES
 from .plan import Plan
 
 
@@ -52,10 +54,7 @@ class ToyModel:
         self.losses: list[float] = []
 
     def bodies(self):
-        return {name: getattr(self, name) for name in (
-            "h2d", "start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist",
-            "prefetch_embeddings", "zero_grad", "global_tokens_allreduce", "compute_output_dist", "forward",
-            "backward", "finalize_model_grads", "optimizer_step", "watchdog")}
+        return {name: getattr(self, name) for name in HSTU_TASK_NAMES}
 
     def h2d(self, b):
         b["device_batch"] = {k: v.clone() for k, v in b["batch"].items()}  # a copy stands in for the transfer
@@ -126,8 +125,6 @@ def run_toy(plan: Plan, batches: list, config: ToyConfig) -> tuple[list[TaskReco
 
 def demo(plan: Plan, steps: int, config: ToyConfig = ToyConfig()) -> str:
     """Run the toy workload under ``plan`` and the sequential baseline; return a printable report."""
-    from .plan import get_plan
-
     batches = toy_batches(config, steps)
     run_toy(plan, batches[:8], config)  # warm-up: torch's first calls allocate and dispatch slowly
     base_records, base_s, base_model = run_toy(get_plan("legacy_none"), batches, config)

@@ -12,7 +12,7 @@ from lightning_runs import fit
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
 from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
 from lightning_hstu.cli import main
-from lightning_hstu.plan import HSTU_TASK_NAMES
+from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_hstu import PRESET_NAMES
+from lightning_hstu import PRESET_NAMES, make_plan
 from lightning_hstu.cli import main
 
 
@@ -43,6 +43,26 @@ def test_presets_shows_a_custom_plan(capsys):
     assert "waits: h2d -> start_shuffle" not in out  # different lookaheads: no wait
 
 
+def test_plan_options_change_the_named_preset_as_the_strategy_does(capsys):
+    from lightning_hstu import HSTUPipelineStrategy
+
+    code, out, _ = run_cli(capsys, "presets", "-v", "full_split_d3", "--cascade", "d6")
+    assert code == 0
+    assert out.strip() == make_plan("d6", "full_split").describe()
+    assert out.strip() == HSTUPipelineStrategy("full_split_d3", lookahead="d6").plan.describe()
+    code, out, _ = run_cli(capsys, "presets", "-v", "--thread-map", "none")  # no name: default_d6's plan
+    assert code == 0 and out.startswith("custom: cascade d6, depth 6, 1 thread (legacy")
+    code, _, err = run_cli(capsys, "presets", "default_d3", "default_d6", "--cascade", "d3")
+    assert code == 2 and "change one preset's plan, got 2 presets: default_d3, default_d6" in err
+
+
+def test_no_prefetch_applies_to_every_preset_shown(capsys):
+    code, out, _ = run_cli(capsys, "presets", "--no-prefetch")
+    assert code == 0
+    assert [row.split()[0] for row in out.strip().splitlines()[1:]] == list(PRESET_NAMES)
+    assert "prefetch_embeddings->backward" not in out
+
+
 def test_bad_plans_exit_2_with_the_plan_error(capsys):
     code, _, err = run_cli(capsys, "presets", "default_d4")
     assert code == 2
@@ -61,6 +81,12 @@ def test_demo_trains_the_toy_model_and_prints_per_task_timing(capsys):
     for task in ("h2d", "forward", "watchdog"):
         assert any(line.split()[:3] == [task, line.split()[1], "6"] for line in table.splitlines()
                    if line.startswith(task + " "))
+
+
+def test_demo_changes_the_preset_it_is_given(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--preset", "legacy_none", "--cascade", "d6", "--steps", "2")
+    assert code == 0
+    assert out.startswith("custom: cascade d6, depth 6, 1 thread (legacy")
 
 
 def test_the_console_script_is_installed():

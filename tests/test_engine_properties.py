@@ -15,7 +15,8 @@ from invariants import assert_all_invariants
 from tracing import TracingWorkload
 
 from lightning_hstu import Engine, PlanError, get_plan, make_plan
-from lightning_hstu.plan import EdgeKind, hstu_tasks
+from lightning_hstu.hstu.tasks import hstu_tasks
+from lightning_hstu.plan import EdgeKind
 
 TASKS = hstu_tasks()
 THREAD_NAMES = ["io", "compute", "data_dist", "prefetch", "t4"]

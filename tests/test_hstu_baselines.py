@@ -11,7 +11,7 @@ from test_hstu_model import fit_hstu
 
 from lightning_hstu import Engine, EngineError, HSTUPipelineStrategy, get_plan
 from lightning_hstu.hstu.graphs import GraphedMethod
-from lightning_hstu.plan import HSTU_TASK_NAMES
+from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
 
 NO_BODIES = dict.fromkeys(HSTU_TASK_NAMES)
 UNSHUFFLED = dict(balance_batches=False)  # Lightning's own loop has no shuffle task

@@ -22,8 +22,8 @@ from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
-from lightning_hstu.hstu.loop import global_token_loss
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
+from lightning_hstu.hstu.step import global_token_loss
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
@@ -158,7 +158,8 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
     result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
                              "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}",
                              "--trainer.callbacks+=lightning_hstu.callbacks.CollectiveInventoryCallback",
-                             "--trainer.callbacks.init_args.batch=10", "--trainer.callbacks.init_args.trace_dir=traces"],
+                             "--trainer.callbacks.init_args.batch=10",
+                             "--trainer.callbacks.init_args.trace_dir=traces"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {m.group(1): (int(m.group(2)), int(m.group(3)))

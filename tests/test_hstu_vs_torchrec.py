@@ -9,12 +9,12 @@ import pytest
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+from hstu_baselines import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies
 from ranks import run_on_ranks
 from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import Engine, get_plan
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
-from lightning_hstu.hstu.loop import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies
 from lightning_hstu.hstu.shuffler import BalancedShuffler
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables

@@ -3,7 +3,8 @@
 import pytest
 
 from lightning_hstu import PRESET_NAMES, PlanError, Stream, get_plan, make_plan
-from lightning_hstu.plan import HSTU_TASK_NAMES
+from lightning_hstu.hstu.presets import resolve_plan
+from lightning_hstu.hstu.tasks import GRAPH_TASKS, HSTU_TASK_NAMES
 
 D3 = {"h2d": 2, "start_shuffle": 2, "finish_shuffle": 2, "start_input_dist": 1, "wait_input_dist": 1,
       "prefetch_embeddings": 1}
@@ -131,6 +132,35 @@ def test_make_plan_with_preset_parts_equals_the_preset():
     a, b = make_plan("d3", "full_split"), get_plan("full_split_d3")
     assert [(t.name, t.lookahead, t.thread) for t in a.tasks] == [(t.name, t.lookahead, t.thread) for t in b.tasks]
     assert a.wait_edges == b.wait_edges
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_a_preset_without_changes_resolves_to_the_preset(name):
+    assert resolve_plan(name).describe() == get_plan(name).describe()
+    plan = resolve_plan(name, prefetch=False, capturable=GRAPH_TASKS)  # options of any plan keep the name
+    assert plan.describe() == get_plan(name, prefetch=False, capturable=GRAPH_TASKS).describe()
+    assert plan.name == name
+
+
+def test_changes_to_a_preset_replace_only_their_part():
+    assert (resolve_plan("full_split_d6", cascade="d3").describe()
+            == make_plan("d3", "full_split").describe())
+    assert (resolve_plan("full_split_d3", thread_map="per_task").describe()
+            == make_plan("d3", "per_task").describe())
+    legacy = resolve_plan("default_d6", thread_map="none")
+    assert legacy.legacy and legacy.cascade == "d6" and legacy.name == "custom"
+    assert dict(legacy.threads) == {"main": HSTU_TASK_NAMES}
+    order = list(get_plan("full_split_d6").ticket_order)
+    order.remove("global_tokens_allreduce")
+    order.insert(0, "global_tokens_allreduce")
+    reordered = resolve_plan("full_split_d6", ticket_order=order)
+    assert reordered.ticket_order == tuple(order) and reordered.name == "custom"
+    assert reordered.threads == get_plan("full_split_d6").threads
+
+
+def test_resolve_plan_checks_the_preset_name_like_get_plan():
+    with pytest.raises(PlanError, match="unknown preset 'fastest'; valid presets: legacy_none, default_d3"):
+        resolve_plan("fastest", cascade="d3")
 
 
 def test_describe_names_threads_tasks_and_waits():

@@ -3,7 +3,9 @@
 import pytest
 
 from lightning_hstu import PRESET_NAMES, PlanError, get_plan, make_plan
-from lightning_hstu.plan import HSTU_TASK_NAMES, THREAD_MAPS, Stream, TaskDef, build_plan
+from lightning_hstu.hstu.presets import THREAD_MAPS
+from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
+from lightning_hstu.plan import Stream, TaskDef, build_plan
 
 DEFAULT_MAP = dict(THREAD_MAPS["default"])
 

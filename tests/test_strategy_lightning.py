@@ -106,7 +106,7 @@ def test_bad_configuration_fails_when_the_strategy_is_made():
 
 
 class ToyThreadMap:
-    from lightning_hstu.plan import HSTU_TASK_NAMES as ALL
+    from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES as ALL
 
 
 def test_a_custom_thread_map_and_lookahead_train_like_the_default(tmp_path):

@@ -1,1 +1,2 @@
-"""The HSTU workload: batches, the balanced shuffler, and (to come) the model and its TorchRec tasks."""
+"""The HSTU workload: its tasks and presets, batches, the balanced shuffler, TorchRec embeddings task by task,
+megatron-core gradients, CUDA graphs and the pieces of a step the model shares with the baselines."""

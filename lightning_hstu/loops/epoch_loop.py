@@ -128,7 +128,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             device = self.trainer.strategy.root_device
             plan, module = self._strategy.plan, self.trainer.lightning_module
             graphs = module.hstu_graphs() if plan.capturable else None
-            self._engine = Engine(plan, self._tasks.bodies(), device=device if device.type == "cuda" else None,
+            self._engine = Engine(plan, self._tasks.bodies(plan), device=device if device.type == "cuda" else None,
                                   step_timeout=self._strategy.step_timeout,
                                   on_timeout=self._strategy.timeout_actions(),
                                   observers=self._strategy.engine_observers, graphs=graphs).start()

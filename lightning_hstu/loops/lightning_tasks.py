@@ -8,9 +8,10 @@ optimizer_zero_grad, training_step, backward hooks, optimizer_step, on_before_op
 clipping, step; weights come out the same as under Lightning's loop.
 
 Tasks a plain LightningModule has nothing for (the shuffle, TorchRec input dist, prefetch, global token
-count, gradient finalisation, watchdog) pass their input through and are recorded as skipped. A module
-that defines ``hstu_<task>(batch)`` for one of them (``HSTU_HOOKS``) gets that method run as the task's
-body: it receives the task's ``BatchView`` and writes the task's slots.
+count, gradient finalisation, watchdog) get a body generated from their definition, which passes the batch
+through and is recorded as skipped. A module that defines ``hstu_<task>(batch)`` for one of them
+(``HSTU_HOOKS``) gets that method run as the task's body: it receives the task's ``BatchView`` and writes the
+task's slots.
 """
 
 import contextlib
@@ -25,13 +26,20 @@ from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from ..engine import SKIPPED, BatchView
+from ..hstu.tasks import HSTU_TASK_NAMES
+from ..plan import Plan, PlanTask
 from .step_context import StepContext
 
 _warnings = WarningCache()
 
-HSTU_HOOKS = ("start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist", "prefetch_embeddings",
-              "global_tokens_allreduce", "compute_output_dist", "finalize_model_grads", "watchdog")
+LIGHTNING_BODIES = ("h2d", "zero_grad", "forward", "backward", "optimizer_step")
+"""Tasks whose body is Lightning's own (``LightningTasks``' methods of the same names)."""
+
+HSTU_HOOKS = tuple(name for name in HSTU_TASK_NAMES if name not in LIGHTNING_BODIES)
 """Tasks a LightningModule may implement as ``hstu_<task>(self, batch)``; the others are Lightning's own."""
+
+UNSHUFFLED = {"shuffled_batch": "device_batch"}
+"""Without a shuffle of the module's own, each rank trains on the batch its loader gave it."""
 
 
 @dataclass
@@ -63,32 +71,20 @@ class LightningTasks:
         # thread-safe; the tasks that call into it hold this lock. Only lookahead-0 tasks do.
         self._lightning = threading.RLock()
 
-    def bodies(self) -> dict[str, Any]:
-        bodies = self._default_bodies()
+    def bodies(self, plan: Plan) -> dict[str, Any]:
+        """A body for every task of ``plan``: Lightning's own, the module's ``hstu_<task>`` method, or else
+        a pass-through."""
         module = self.trainer.lightning_module
-        for task in HSTU_HOOKS:
-            hook = getattr(module, f"hstu_{task}", None)
-            if callable(hook):
-                bodies[task] = hook
+        bodies = {}
+        for task in plan.tasks:
+            hook = getattr(module, f"hstu_{task.name}", None)
+            if task.name in LIGHTNING_BODIES:
+                bodies[task.name] = getattr(self, task.name)
+            elif task.name in HSTU_HOOKS and callable(hook):
+                bodies[task.name] = hook
+            else:
+                bodies[task.name] = _passthrough(task, UNSHUFFLED)
         return bodies
-
-    def _default_bodies(self) -> dict[str, Any]:
-        return {
-            "h2d": self.h2d,
-            "start_shuffle": _passthrough({}, {"workloads": None}),
-            "finish_shuffle": _passthrough({"device_batch": "shuffled_batch"}),
-            "start_input_dist": _passthrough({}, {"input_dist_splits": None}),
-            "wait_input_dist": _passthrough({}, {"sparse_input": None}),
-            "prefetch_embeddings": _passthrough({}, {"cache_prefetched": None}),
-            "zero_grad": self.zero_grad,
-            "global_tokens_allreduce": _passthrough({}, {"global_tokens": None}),
-            "compute_output_dist": _passthrough({}, {"embeddings": None}),
-            "forward": self.forward,
-            "backward": self.backward,
-            "finalize_model_grads": _passthrough({}, {"reduced_grads": None}),
-            "optimizer_step": self.optimizer_step,
-            "watchdog": None,
-        }
 
     # ----- the io side: runs ahead, on another thread, so it must not touch Lightning's hook state ---
 
@@ -177,12 +173,16 @@ class LightningTasks:
         return batch
 
 
-def _passthrough(copies: dict[str, str], constants: dict[str, Any] | None = None):
-    """A body for a task with nothing to do: copy slots through (or write constants), record as skipped."""
+def _passthrough(task: PlanTask, copies: dict[str, str]):
+    """A body for a task with nothing to do, from its definition: each slot it writes gets the slot that
+    ``copies`` names for it (written slot -> read slot) where the task reads that one, else None, so that
+    its consumers run; the task is recorded as skipped. None (no body) when it writes nothing."""
+    if not task.writes:
+        return None
+    sources = {slot: copies[slot] if copies.get(slot) in task.reads else None for slot in task.writes}
+
     def body(b: BatchView) -> Any:
-        for source, target in copies.items():
-            b[target] = b[source]
-        for target, value in (constants or {}).items():
-            b[target] = value
+        for slot, source in sources.items():
+            b[slot] = None if source is None else b[source]
         return SKIPPED
     return body

@@ -28,9 +28,9 @@ from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedMethod
-from ..hstu.loop import dense_losses, global_token_scale, global_tokens, sparse_features
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import ShardedEmbeddings
+from ..hstu.step import dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
 

@@ -1,13 +1,13 @@
-"""The plan layer: pure data. Tasks, lookaheads, thread maps, edges, waits and tickets; no threads, no CUDA."""
+"""The plan layer: pure data. Tasks, lookaheads, thread maps, edges, waits and tickets; no threads, no CUDA.
+
+Generic: any set of task definitions can be planned (``build_plan``); a workload's own tasks, cascades,
+thread maps and presets live with the workload's code.
+"""
 
 from .errors import PlanError
 from .graph import Edge, EdgeKind
 from .plan import LEGACY_THREAD, Plan, PlanTask, build_plan
-from .presets import CASCADES, PRESET_NAMES, PRESETS, THREAD_MAPS, get_plan, make_plan
-from .tasks import GRAPH_TASKS, HSTU_TASK_NAMES, INPUT_SLOT, Stream, TaskDef, hstu_tasks
+from .tasks import INPUT_SLOT, Stream, TaskDef
 
-__all__ = [
-    "CASCADES", "Edge", "EdgeKind", "GRAPH_TASKS", "HSTU_TASK_NAMES", "INPUT_SLOT", "LEGACY_THREAD", "PRESETS",
-    "PRESET_NAMES", "Plan", "PlanError", "PlanTask", "Stream", "TaskDef", "THREAD_MAPS", "build_plan",
-    "get_plan", "hstu_tasks", "make_plan",
-]
+__all__ = ["Edge", "EdgeKind", "INPUT_SLOT", "LEGACY_THREAD", "Plan", "PlanError", "PlanTask", "Stream", "TaskDef",
+           "build_plan"]

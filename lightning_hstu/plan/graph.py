@@ -1,8 +1,7 @@
 """The one dependency graph of a plan, from which every kind of wait is derived.
 
-The seed's engine derived its dependency rules in four places and deadlocked once when two of them
-disagreed. Here ``task_edges`` is the single source: the wait rule, the CUDA event waits and the
-deadlock check all read its output.
+``task_edges`` is the single source of dependencies: the wait rule, the CUDA event waits and the
+deadlock check all read its output, so that no two of them can disagree about an order.
 """
 
 from collections.abc import Iterable, Mapping

@@ -46,7 +46,7 @@ class Plan:
     name: str
     """The preset's name, or "custom"."""
     cascade: str
-    """"d3", "d6", or "custom" for user lookaheads."""
+    """The name of the cascade of lookaheads it was built from, or "custom" for user lookaheads."""
     tasks: tuple[PlanTask, ...]
     """Every task in plan order; tasks of one thread run in this order within a step."""
     edges: tuple[Edge, ...]

@@ -14,21 +14,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..engine import TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
-from ..plan import GRAPH_TASKS, PRESET_NAMES, PRESETS, Plan, PlanError, get_plan, make_plan
+from ..hstu.presets import DEFAULT_PRESET, PRESET_NAMES, resolve_plan
+from ..hstu.tasks import GRAPH_TASKS
+from ..plan import PlanError
 from . import process_groups, sharded_checkpoint
-
-
-def resolve_plan(preset: str, thread_map: Mapping[str, str] | str | None, lookahead: Mapping[str, int] | str | None,
-                 prefetch: bool, capture_graphs: bool = False) -> Plan:
-    """The preset's plan, with its thread map and/or lookaheads replaced when given (validated the same way)."""
-    if preset not in PRESETS:
-        raise PlanError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}")
-    capturable = GRAPH_TASKS if capture_graphs else ()
-    if thread_map is None and lookahead is None:
-        return get_plan(preset, prefetch=prefetch, capturable=capturable)
-    cascade, preset_map = PRESETS[preset]
-    return make_plan(lookahead if lookahead is not None else cascade,
-                     thread_map if thread_map is not None else preset_map, prefetch, capturable=capturable)
 
 
 def unknown_strategy_error(name: str) -> PlanError:
@@ -65,7 +54,8 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     Args:
         preset: one of ``lightning_hstu.PRESET_NAMES``.
-        thread_map: replaces the preset's thread map: a thread-map name or ``{task: thread}``.
+        thread_map: replaces the preset's thread map: a thread-map name, ``"none"`` (every task on the
+            caller's thread) or ``{task: thread}``.
         lookahead: replaces the preset's cascade: ``"d3"``, ``"d6"`` or ``{task: lookahead}``.
         prefetch: order each step's embedding prefetch before its backward.
         capture_graphs: mark forward and backward capturable: on a GPU the engine captures the module's
@@ -88,7 +78,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     strategy_name = "hstu_pipeline"
 
-    def __init__(self, preset: str = "default_d6", *, thread_map: Mapping[str, str] | str | None = None,
+    def __init__(self, preset: str = DEFAULT_PRESET, *, thread_map: Mapping[str, str] | str | None = None,
                  lookahead: Mapping[str, int] | str | None = None, prefetch: bool = True,
                  capture_graphs: bool = False, step_timeout: float | None = 600.0, engine: bool = True,
                  **ddp_kwargs: Any):
@@ -99,7 +89,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         if capture_graphs and not engine:
             raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
         self.use_engine = engine
-        self.plan = resolve_plan(preset, thread_map, lookahead, prefetch, capture_graphs)
+        self.plan = resolve_plan(preset, cascade=lookahead, thread_map=thread_map, prefetch=prefetch,
+                                 capturable=GRAPH_TASKS if capture_graphs else ())
         if self.plan.task("finish_shuffle").lookahead < 1:
             raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
                             "on_train_batch_start hooks receive the training batch before its step runs")
@@ -219,7 +210,8 @@ class HSTUPipelineStrategy(DDPStrategy):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
             if storage_options is not None:
                 raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
-            save_id = self.broadcast(sharded_checkpoint.new_save_id())  # one id, and one staging directory, for all ranks
+            # one id, and one staging directory, for all ranks
+            save_id = self.broadcast(sharded_checkpoint.new_save_id())
             sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
 
     @override

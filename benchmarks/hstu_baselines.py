@@ -1,28 +1,22 @@
-"""The HSTU step without Lightning: engine bodies, a plain loop and TorchRec's pipeline over the same model
-pieces (sharded embeddings, dense objectives, megatron-core gradients). For the comparisons of the tests
-and the benchmarks; the Lightning path is ``models.hstu.HSTURecommender`` under the strategy."""
+"""The HSTU step without Lightning, over the model's own pieces (sharded embeddings, dense objectives,
+megatron-core gradients): engine bodies, a plain PyTorch loop step, and the model and batch TorchRec's
+``TrainPipelineSparseDist`` runs. The baselines ``hstu_pipelines.py`` times and the tests compare the
+strategy with; the Lightning path is ``lightning_hstu.models.hstu.HSTURecommender`` under the strategy."""
 
 import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-from .batch import HSTUBatch
-from .dense_grads import MegatronDenseGrads
-from .graphs import GraphedMethod
-
-
-def sparse_features(batch: HSTUBatch, sparse_keys: int = 4) -> KeyedJaggedTensor:
-    """The keys the EmbeddingCollection embeds (the batch's first four: item, item_neg, action, user), as the
-    batch holds them (``HSTURecommender.sparse_features`` puts the item table under item_neg for the full
-    softmax)."""
-    keys = batch.features.keys()
-    return batch.features.split([sparse_keys, len(keys) - sparse_keys])[0]
+from lightning_hstu.hstu.batch import HSTUBatch
+from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
+from lightning_hstu.hstu.graphs import GraphedMethod
+from lightning_hstu.hstu.step import global_token_loss, global_tokens, sparse_features
+from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
 
 
 class FinalizingOptimizer:
@@ -40,38 +34,10 @@ class FinalizingOptimizer:
         return self.optimizer.step(closure)
 
 
-def global_tokens(batch: HSTUBatch) -> torch.Tensor:
-    """The token count of every rank's batch together, all-reduced; stays a tensor (no host sync)."""
-    tokens = batch.sequence_lengths().sum().to(torch.float32)
-    dist.all_reduce(tokens)
-    return tokens
-
-
-def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
-    """Factor for a rank's summed loss so that the data-parallel mean over ranks is the loss of the whole
-    global batch per token (``tokens``: the all-reduced token count)."""
-    return dist.get_world_size() / tokens
-
-
-def dense_losses(objectives: nn.Module, batch: HSTUBatch, embeddings,
-                 graphed: GraphedMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs of
-    static shapes: padded to the model's length, or jagged with a token capacity) when given."""
-    if graphed is None:
-        return objectives(batch, embeddings)
-    return graphed(*objectives.dense_inputs(batch, embeddings, static=True))
-
-
-def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor,
-                      graphed: GraphedMethod | None = None) -> torch.Tensor:
-    """The rank's loss, scaled by ``global_token_scale``."""
-    retrieval, ranking = dense_losses(objectives, batch, embeddings, graphed)
-    return (retrieval + ranking) * global_token_scale(tokens)
-
-
 def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *, autocast: str | None = None,
                   graphed: GraphedMethod | None = None):
-    """Bodies for every task; ``model`` has the HSTURecommender hooks and parts (embeddings, objectives,
+    """Bodies for every task: the model's ``hstu_<task>`` methods, and the ones below for what Lightning does
+    under the strategy. ``model`` has the HSTURecommender hooks and parts (embeddings, objectives,
     dense_grads, shuffler). ``losses`` receives each batch's loss tensor (no host sync). With ``graphed``
     the forward goes through it (give the engine ``graphs={"forward": graphed}`` to capture it)."""
     def h2d(b):
@@ -97,13 +63,9 @@ def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *,
     def watchdog(b):
         losses.append(b["loss"].detach())
 
-    return {"h2d": h2d, "start_shuffle": model.hstu_start_shuffle, "finish_shuffle": model.hstu_finish_shuffle,
-            "start_input_dist": model.hstu_start_input_dist, "wait_input_dist": model.hstu_wait_input_dist,
-            "prefetch_embeddings": model.hstu_prefetch_embeddings, "zero_grad": zero_grad,
-            "global_tokens_allreduce": model.hstu_global_tokens_allreduce,
-            "compute_output_dist": model.hstu_compute_output_dist, "forward": forward, "backward": backward,
-            "finalize_model_grads": model.hstu_finalize_model_grads, "optimizer_step": optimizer_step,
-            "watchdog": watchdog}
+    own = {"h2d": h2d, "zero_grad": zero_grad, "forward": forward, "backward": backward,
+           "optimizer_step": optimizer_step, "watchdog": watchdog}
+    return {name: own[name] if name in own else getattr(model, f"hstu_{name}") for name in HSTU_TASK_NAMES}
 
 
 def plain_step(model: Any, optimizer: torch.optim.Optimizer, batch: HSTUBatch, *, autocast: str | None = None):

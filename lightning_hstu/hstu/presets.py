@@ -1,9 +1,9 @@
-"""The d3 and d6 cascades, the six thread maps and the nine named presets of SPEC §4."""
+"""The d3 and d6 cascades, the six thread maps and the nine named presets of SPEC §4, and the one function
+that turns a preset plus a user's changes into a plan (``resolve_plan``: the strategy and the CLI)."""
 
 from collections.abc import Mapping, Sequence
 
-from .errors import PlanError
-from .plan import Plan, build_plan
+from ..plan import Plan, PlanError, build_plan
 from .tasks import HSTU_TASK_NAMES, hstu_tasks
 
 CASCADES: Mapping[str, Mapping[str, int]] = {
@@ -34,6 +34,10 @@ THREAD_MAPS: Mapping[str, Mapping[str, str]] = {
     "full_split": _split(("io", _IO), ("data_dist", _DATA_DIST), ("prefetch", _PREFETCH)),
 }
 
+NO_THREAD_MAP = "none"
+"""The name that, where a thread map is asked for by name, means none: every task on the caller's thread
+(the legacy order of ``legacy_none``)."""
+
 PRESETS: Mapping[str, tuple[str, str | None]] = {
     # preset name: (cascade, thread map; None = every task on the caller's thread)
     "legacy_none": ("d3", None),
@@ -49,13 +53,46 @@ PRESETS: Mapping[str, tuple[str, str | None]] = {
 
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
+DEFAULT_PRESET = "default_d6"
+"""The preset of ``HSTUPipelineStrategy()`` and of the CLI when none is named."""
+
+
+def preset_parts(name: str) -> tuple[str, str | None]:
+    """A preset's cascade and thread map; an unknown name raises ``PlanError`` listing the valid ones."""
+    if name not in PRESETS:
+        raise PlanError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
+    return PRESETS[name]
+
 
 def get_plan(name: str, *, prefetch: bool = True, capturable: Sequence[str] = ()) -> Plan:
     """The plan of a named preset; an unknown name raises ``PlanError`` listing the valid ones."""
-    if name not in PRESETS:
-        raise PlanError(f"unknown preset {name!r}; valid presets: {', '.join(PRESET_NAMES)}")
-    cascade, thread_map = PRESETS[name]
+    cascade, thread_map = preset_parts(name)
     return make_plan(cascade, thread_map, prefetch, name=name, capturable=capturable)
+
+
+def resolve_plan(
+    preset: str = DEFAULT_PRESET,
+    *,
+    cascade: str | Mapping[str, int] | None = None,
+    thread_map: str | Mapping[str, str] | None = None,
+    prefetch: bool = True,
+    ticket_order: Sequence[str] | None = None,
+    capturable: Sequence[str] = (),
+) -> Plan:
+    """The plan of ``preset`` with the changes a user asked for; what ``HSTUPipelineStrategy`` and the
+    ``lightning-hstu`` command build.
+
+    ``cascade``, ``thread_map`` and ``ticket_order`` replace the preset's own where given (None keeps it;
+    ``thread_map="none"`` asks for none: every task on the caller's thread); the result is then a plan
+    named "custom", validated like any other. ``prefetch`` and ``capturable`` are options of every plan
+    (as in ``get_plan``): they keep the preset's name.
+    """
+    preset_cascade, preset_thread_map = preset_parts(preset)
+    if cascade is None and thread_map is None and ticket_order is None:
+        return get_plan(preset, prefetch=prefetch, capturable=capturable)
+    return make_plan(preset_cascade if cascade is None else cascade,
+                     preset_thread_map if thread_map is None else thread_map, prefetch,
+                     ticket_order=ticket_order, capturable=capturable)
 
 
 def make_plan(
@@ -70,11 +107,11 @@ def make_plan(
     """A plan of the fourteen HSTU tasks.
 
     ``cascade``: "d3", "d6" or a mapping task -> lookahead (tasks not named get 0).
-    ``thread_map``: a name of ``THREAD_MAPS``, None for the single-threaded legacy order, or a mapping
-    task -> thread name covering every task exactly once.
+    ``thread_map``: a name of ``THREAD_MAPS``, None or "none" for the single-threaded legacy order, or a
+    mapping task -> thread name covering every task exactly once.
     ``prefetch``: order this step's embedding-cache prefetch before its backward (a sync edge).
     ``ticket_order``: the collective tasks in launch order (default: plan order).
-    ``capturable``: tasks whose body the engine may capture in CUDA graphs (``GRAPH_TASKS`` for HSTU).
+    ``capturable``: tasks whose body the engine may capture in CUDA graphs (``GRAPH_TASKS``).
     """
     if isinstance(cascade, str):
         if cascade not in CASCADES:
@@ -83,10 +120,12 @@ def make_plan(
         lookahead, cascade_label = CASCADES[cascade], cascade
     else:
         lookahead, cascade_label = cascade, "custom"
-    if isinstance(thread_map, str):
+    if thread_map == NO_THREAD_MAP:
+        thread_map = None
+    elif isinstance(thread_map, str):
         if thread_map not in THREAD_MAPS:
-            raise PlanError(f"unknown thread map {thread_map!r}; valid thread maps: "
-                            f"{', '.join(THREAD_MAPS)}, None (legacy) or a mapping task -> thread")
+            raise PlanError(f"unknown thread map {thread_map!r}; valid thread maps: {', '.join(THREAD_MAPS)}, "
+                            f"{NO_THREAD_MAP!r} or None (legacy) or a mapping task -> thread")
         thread_map = THREAD_MAPS[thread_map]
     return build_plan(hstu_tasks(prefetch), lookahead, thread_map, ticket_order=ticket_order,
                       name=name, cascade=cascade_label, capturable=capturable)
