@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .hstu.presets import DEFAULT_PRESET, NO_THREAD_MAP, PRESET_NAMES, THREAD_MAPS, resolve_plan
+from .hstu.presets import DEFAULT_PRESET, NO_THREAD_MAP, PRESET_NAMES, PRESET_NOTES, THREAD_MAPS, resolve_plan
 from .hstu.tasks import GRAPH_TASKS
 from .plan import Plan, PlanError
 
@@ -159,7 +159,8 @@ def _presets(args: argparse.Namespace) -> int:
         names = args.names or [DEFAULT_PRESET]
     plans = [_plan(args, name, capturable) for name in names]
     if args.verbose:
-        print("\n\n".join(plan.describe() for plan in plans))
+        print("\n\n".join(plan.describe() + (f"\nmeasured: {PRESET_NOTES[plan.name]}" if plan.name in PRESET_NOTES
+                                               else "") for plan in plans))
     else:
         print(format_preset_table(plans))
     if args.plot:

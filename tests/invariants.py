@@ -1,4 +1,4 @@
-"""Checks of SPEC §6.1 on the runs a ``TracingWorkload`` recorded."""
+"""The engine's invariants (docs/concepts.md), checked on the runs a ``TracingWorkload`` recorded."""
 
 from collections import Counter
 

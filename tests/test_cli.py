@@ -36,6 +36,16 @@ def test_presets_marks_the_capturable_tasks(capsys):
     assert "[graph]" not in run_cli(capsys, "presets", "-v", "per_task_d3")[1]
 
 
+def test_presets_verbose_says_where_each_preset_wins_and_loses(capsys):
+    from lightning_hstu.hstu.presets import PRESET_NAMES, PRESET_NOTES
+
+    assert set(PRESET_NOTES) == set(PRESET_NAMES)
+    code, out, _ = run_cli(capsys, "presets", "-v")
+    assert code == 0 and out.count("\nmeasured: ") == len(PRESET_NAMES)
+    assert f"measured: {PRESET_NOTES['per_task_d3']}" in run_cli(capsys, "presets", "-v", "per_task_d3")[1]
+    assert "measured:" not in run_cli(capsys, "presets", "-v", "--cascade", "d6")[1]  # a custom plan: not measured
+
+
 def test_presets_shows_a_custom_plan(capsys):
     code, out, _ = run_cli(capsys, "presets", "-v", "--cascade", '{"h2d": 1}', "--thread-map", "per_task")
     assert code == 0

@@ -1,4 +1,4 @@
-"""A task that raises, a step that hangs, an interrupt: clear errors, and no engine thread left (SPEC §6.4)."""
+"""A task that raises, a step that hangs, an interrupt: clear errors, and no engine thread left."""
 
 import _thread
 import threading

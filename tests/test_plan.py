@@ -1,4 +1,4 @@
-"""The plan API on the nine presets: what SPEC §2-§4 say each must be."""
+"""The plan API on the nine presets: the tasks, cascades and thread maps each must have."""
 
 import pytest
 

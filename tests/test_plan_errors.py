@@ -1,4 +1,4 @@
-"""Bad configuration gets a clear error naming the culprit and the valid choices (SPEC §6.5)."""
+"""Bad configuration gets a clear error naming the culprit and the valid choices."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """Under every preset an ordinary LightningModule trains to bitwise the same weights, on the same batches
-in the same order, as under Lightning's default strategy (SPEC §6.2)."""
+in the same order, as under Lightning's default strategy."""
 
 import pytest
 

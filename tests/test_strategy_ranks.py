@@ -1,5 +1,5 @@
 """Two processes on gloo: the result equals Lightning's own DDP, and ranks agree on the end of data, so a
-rank with fewer batches ends the epoch for everyone instead of hanging them (SPEC §6.6)."""
+rank with fewer batches ends the epoch for everyone instead of hanging them."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Resuming from a checkpoint taken mid-epoch gives the run that never stopped (SPEC §6.3), although the
+"""Resuming from a checkpoint taken mid-epoch gives the run that never stopped, although the
 ring had pulled depth - 1 batches ahead when the checkpoint was taken: no batch skipped, none repeated.
 
 The loaders have a deterministic order: a plain DataLoader shuffled by Lightning's DistributedSampler

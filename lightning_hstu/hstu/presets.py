@@ -1,4 +1,4 @@
-"""The d3 and d6 cascades, the six thread maps and the nine named presets of SPEC §4, and the one function
+"""The d3 and d6 cascades, the six thread maps and the nine named presets, and the one function
 that turns a preset plus a user's changes into a plan (``resolve_plan``: the strategy and the CLI)."""
 
 from collections.abc import Mapping, Sequence
@@ -52,6 +52,26 @@ PRESETS: Mapping[str, tuple[str, str | None]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+
+PRESET_NOTES: Mapping[str, str] = {
+    # Where each preset wins and loses, measured (BENCHMARKS.md, "The user's path"): "light" is the light
+    # workload on one H200 through Trainer(strategy=HSTUPipelineStrategy(preset)), ms/step against
+    # legacy_none in the same run (2026-11-30; 2026-12-01); "2 GPUs" drives the engine directly on two H200
+    # with the balanced shuffler (2026-11-30). Run-to-run noise on those machines is about +-20%.
+    "legacy_none": "the reference: light 15.9; 22.1 ms/step, no threaded preset beats it reliably there (the step "
+                   "is host-bound, threads share one GIL); 2 GPUs 27.2 ms, the shuffle serial with the step",
+    "default_d3": "light +9%; +5%",
+    "by_stream_d3": "light +8% (2026-11-30)",
+    "per_task_d3": "light +29%; +1% (and +17% driven directly): 14 threads take turns on the GIL every step; "
+                   "2 GPUs -1%",
+    "io_prefetch_compute_d3": "light +2% (2026-11-30)",
+    "io_data_dist_compute_d3": "light +1% (2026-11-30)",
+    "full_split_d3": "light +11% (2026-11-30)",
+    "default_d6": "light +11%; -6%; with capture_graphs=True the fastest of both runs (10.6; 12.0 ms/step); "
+                  "2 GPUs -12% (the shuffle on the io thread)",
+    "full_split_d6": "light +15%; -7%; 2 GPUs -19% driven directly, but +17% through the Trainer",
+}
+"""Measured strengths and weaknesses of each preset, one line each (``lightning-hstu presets -v``)."""
 
 DEFAULT_PRESET = "default_d6"
 """The preset of ``HSTUPipelineStrategy()`` and of the CLI when none is named."""

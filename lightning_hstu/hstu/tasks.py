@@ -1,4 +1,4 @@
-"""The fourteen HSTU tasks of SPEC §2 as data: the one definition every task list derives from.
+"""The fourteen HSTU tasks as data: the one definition every task list derives from.
 
 A task's edges follow from the slots it reads and writes (``plan/graph.py``); where it runs and how far
 ahead come from a preset (``presets.py``); its body comes from whoever runs it: the module's
@@ -14,7 +14,7 @@ def _task(name: str, stream: str, reads=(), writes=(), **kwargs) -> TaskDef:
 
 
 def hstu_tasks(prefetch: bool = True) -> tuple[TaskDef, ...]:
-    """The fourteen HSTU tasks in plan order (the data flow of SPEC §2, top to bottom).
+    """The fourteen HSTU tasks in plan order (the data flow, top to bottom).
 
     With ``prefetch`` the embedding-cache prefetch of the next batch must finish before this step's
     backward, since both touch the cache: a sync edge prefetch_embeddings -> backward.

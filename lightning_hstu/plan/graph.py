@@ -13,7 +13,7 @@ from .tasks import INPUT_SLOT, TaskDef
 
 
 class EdgeKind(StrEnum):
-    """How two tasks are ordered (SPEC §3)."""
+    """How two tasks are ordered (docs/concepts.md, the wait rule)."""
 
     ORD = "ord"
     """Same batch: the producer wrote a slot the consumer reads, or the consumer ``depends_on`` it."""

@@ -1,7 +1,7 @@
 """A plan: every task with its stream, lookahead and thread, plus the waits and tickets derived from them.
 
 A plan is plain data (no threads, no CUDA), printable and checkable on any machine. ``build_plan``
-validates everything SPEC §6.5 asks for and raises ``PlanError`` naming the culprit.
+validates every task, lookahead, thread and edge and raises ``PlanError`` naming the culprit.
 """
 
 from collections.abc import Mapping, Sequence
@@ -54,7 +54,7 @@ class Plan:
     threads: Mapping[str, tuple[str, ...]]
     """Thread name -> its tasks in run order."""
     wait_edges: frozenset[tuple[str, str]]
-    """(producer, consumer) pairs whose consumer waits for the producer inside a step (SPEC §3)."""
+    """(producer, consumer) pairs whose consumer waits for the producer inside a step (the wait rule, docs/concepts.md)."""
     ticket_order: tuple[str, ...]
     """Collective tasks in the order they launch within every step, identical on every rank."""
     legacy: bool

@@ -37,7 +37,7 @@ class TaskDef:
     syncs_after: tuple[str, ...] = ()
     """Tasks that must finish first *within every step*, whatever batches the two work on."""
     collective: bool = False
-    """Launches collectives on the shared communicator, so it takes a ticket (SPEC §5)."""
+    """Launches collectives on the shared communicator, so it takes a ticket (docs/concepts.md, tickets)."""
     stateful: bool = False
     """Reads or updates model state that every batch shares: it must run at lookahead 0, so that batch
     ``k`` sees the model exactly as batch ``k - 1`` left it."""

@@ -53,7 +53,8 @@ class HSTUPipelineStrategy(DDPStrategy):
     """Trains with the lookahead-ring threaded engine under one of the nine presets (or a custom plan).
 
     Args:
-        preset: one of ``lightning_hstu.PRESET_NAMES``.
+        preset: one of ``lightning_hstu.PRESET_NAMES`` (``lightning_hstu.hstu.presets.PRESET_NOTES``, or
+            ``lightning-hstu presets -v``, says where each was measured to win and lose).
         thread_map: replaces the preset's thread map: a thread-map name, ``"none"`` (every task on the
             caller's thread) or ``{task: thread}``.
         lookahead: replaces the preset's cascade: ``"d3"``, ``"d6"`` or ``{task: lookahead}``.
