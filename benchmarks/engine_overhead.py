@@ -22,7 +22,9 @@ def trivial_bodies(plan):
         def body(batch):
             for slot in writes:
                 batch[slot] = 1
+
         return body
+
     return {t.name: body_for(t.writes) for t in plan.tasks}
 
 
@@ -49,11 +51,15 @@ def main():
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(f"# {platform.node()}: {platform.processor() or platform.machine()}, "
-          f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"# {platform.node()}: {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    )
     print(f"# {args.steps} steps per run, median of {args.repeats} runs (spread = max - min)")
-    header = (f"{'preset':<24} {'threads':>7} {'plain us/step':>13} {'engine us/step':>14} {'spread':>7} "
-              f"{'overhead us/task':>16}")
+    header = (
+        f"{'preset':<24} {'threads':>7} {'plain us/step':>13} {'engine us/step':>14} {'spread':>7} "
+        f"{'overhead us/task':>16}"
+    )
     print(header)
     print("-" * len(header))
     for name in PRESET_NAMES:
@@ -63,8 +69,10 @@ def main():
         engine = statistics.median(runs)
         per_step = 1e6 / args.steps
         overhead = (engine - plain) * per_step / len(plan.tasks)
-        print(f"{name:<24} {len(plan.threads):>7} {plain * per_step:>13.1f} {engine * per_step:>14.1f} "
-              f"{(max(runs) - min(runs)) * per_step:>7.1f} {overhead:>16.1f}")
+        print(
+            f"{name:<24} {len(plan.threads):>7} {plain * per_step:>13.1f} {engine * per_step:>14.1f} "
+            f"{(max(runs) - min(runs)) * per_step:>7.1f} {overhead:>16.1f}"
+        )
 
 
 if __name__ == "__main__":

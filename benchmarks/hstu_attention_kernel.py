@@ -19,14 +19,26 @@ import triton
 from lightning_hstu.kernels import hstu_attention as kernel
 from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, RelativeBias, to_padded
 
-SHAPES = {"heavy": dict(max_len=1024, heads=4, dim=128), "seed": dict(max_len=4096, heads=4, dim=128),
-          "seed_h8": dict(max_len=4096, heads=8, dim=128)}
+SHAPES = {
+    "heavy": dict(max_len=1024, heads=4, dim=128),
+    "seed": dict(max_len=4096, heads=4, dim=128),
+    "seed_h8": dict(max_len=4096, heads=8, dim=128),
+}
 SWEEP = [  # candidate launch settings (each one checked against the reference before it is timed)
-    {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)} for m, n, w, s in
-    [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)]
+    {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+    for m, n, w, s in [
+        (64, 64, 4, 2),
+        (128, 64, 8, 2),
+        (128, 64, 4, 2),
+        (128, 32, 4, 3),
+        (64, 32, 4, 3),
+        (128, 64, 8, 3),
+    ]
 ] + [
-    {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
-     "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+    {
+        "dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
+        "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
+    }
     for m, n, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)]
 ]
 
@@ -81,8 +93,10 @@ def errors(lengths, heads, dim, dtype, max_len):
     ref = padded_attention(*ref_inputs, lengths.to(q.device), times, bias)
     (ref * grad).sum().backward()
     expected = [ref, *(t.grad for t in ref_inputs), bias.position.grad, bias.time.grad]
-    return {name: ((a - b).norm() / b.norm()).item() for name, a, b in
-            zip(["out", "dq", "dk", "dv", "dposition", "dtime"], got, expected)}
+    return {
+        name: ((a - b).norm() / b.norm()).item()
+        for name, a, b in zip(["out", "dq", "dk", "dv", "dposition", "dtime"], got, expected)
+    }
 
 
 def time_ms(fn, reps=20):
@@ -143,15 +157,19 @@ def main():
     check_lengths = torch.tensor([1, 512, 300, 17, 511, 64, 2, 129])
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         err = errors(check_lengths, 4, 128, dtype, 512)
-        print(f"check {str(dtype):15} " + " ".join(f"{k}={v:.1e}" for k, v in err.items()),
-              "OK" if max(err.values()) < tol else "FAILED")
+        print(
+            f"check {str(dtype):15} " + " ".join(f"{k}={v:.1e}" for k, v in err.items()),
+            "OK" if max(err.values()) < tol else "FAILED",
+        )
     default = kernel.kernel_configs
     for name in args.shapes:
         shape = SHAPES[name]
         lengths = lengths_for(32, shape["max_len"], torch.Generator().manual_seed(0))
         fwd_flops = flops(lengths, shape["heads"], shape["dim"])
-        print(f"\n## {name}: {shape}, {int(lengths.sum())} tokens (median {int(lengths.median())}, "
-              f"{int((lengths == shape['max_len']).sum())} at max_len), {fwd_flops / 1e9:.1f} GFLOP forward")
+        print(
+            f"\n## {name}: {shape}, {int(lengths.sum())} tokens (median {int(lengths.median())}, "
+            f"{int((lengths == shape['max_len']).sum())} at max_len), {fwd_flops / 1e9:.1f} GFLOP forward"
+        )
         candidates = [{}] + (SWEEP if args.sweep else [])
         for override in candidates:
             kernel.kernel_configs = lambda *a, o=override: {**default(*a), **o}
@@ -161,10 +179,12 @@ def main():
                 print(f"{str(override) or 'default':80} failed: {type(error).__name__}: {str(error)[:100]}")
                 continue
             bwd = total - fwd
-            print(f"{str(override) or 'default':80} fwd {fwd:7.3f} ms {fwd_flops / fwd / 1e9:6.1f} TFLOP/s | "
-                  f"bwd {bwd:7.3f} ms {2 * fwd_flops / bwd / 1e9:6.1f} (2x) "
-                  f"{2.5 * fwd_flops / bwd / 1e9:6.1f} (2.5x) | "
-                  f"fwd+bwd {total:7.3f} ms {3 * fwd_flops / total / 1e9:6.1f} TFLOP/s")
+            print(
+                f"{str(override) or 'default':80} fwd {fwd:7.3f} ms {fwd_flops / fwd / 1e9:6.1f} TFLOP/s | "
+                f"bwd {bwd:7.3f} ms {2 * fwd_flops / bwd / 1e9:6.1f} (2x) "
+                f"{2.5 * fwd_flops / bwd / 1e9:6.1f} (2.5x) | "
+                f"fwd+bwd {total:7.3f} ms {3 * fwd_flops / total / 1e9:6.1f} TFLOP/s"
+            )
         kernel.kernel_configs = default
         if args.padded and name == "heavy":
             ms, gib = time_padded(lengths, shape["heads"], shape["dim"], shape["max_len"])

@@ -34,12 +34,19 @@ class FinalizingOptimizer:
         return self.optimizer.step(closure)
 
 
-def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *, autocast: str | None = None,
-                  graphed: GraphedMethod | None = None):
+def engine_bodies(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    losses: list,
+    *,
+    autocast: str | None = None,
+    graphed: GraphedMethod | None = None,
+):
     """Bodies for every task: the model's ``hstu_<task>`` methods, and the ones below for what Lightning does
     under the strategy. ``model`` has the HSTURecommender hooks and parts (embeddings, objectives,
     dense_grads, shuffler). ``losses`` receives each batch's loss tensor (no host sync). With ``graphed``
     the forward goes through it (give the engine ``graphs={"forward": graphed}`` to capture it)."""
+
     def h2d(b):
         b["device_batch"] = b["batch"].to(_device(model), non_blocking=True)
 
@@ -49,8 +56,9 @@ def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *,
 
     def forward(b):
         with _autocast(autocast):  # thread-local: entered on the thread that runs forward
-            b["loss"] = global_token_loss(model.objectives, b["shuffled_batch"], b["embeddings"], b["global_tokens"],
-                                          graphed)
+            b["loss"] = global_token_loss(
+                model.objectives, b["shuffled_batch"], b["embeddings"], b["global_tokens"], graphed
+            )
 
     def backward(b):
         b["loss"].backward()
@@ -63,8 +71,14 @@ def engine_bodies(model: Any, optimizer: torch.optim.Optimizer, losses: list, *,
     def watchdog(b):
         losses.append(b["loss"].detach())
 
-    own = {"h2d": h2d, "zero_grad": zero_grad, "forward": forward, "backward": backward,
-           "optimizer_step": optimizer_step, "watchdog": watchdog}
+    own = {
+        "h2d": h2d,
+        "zero_grad": zero_grad,
+        "forward": forward,
+        "backward": backward,
+        "optimizer_step": optimizer_step,
+        "watchdog": watchdog,
+    }
     return {name: own[name] if name in own else getattr(model, f"hstu_{name}") for name in HSTU_TASK_NAMES}
 
 

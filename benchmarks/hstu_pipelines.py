@@ -72,15 +72,25 @@ def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
     for _ in range(count):
         lengths = torch.rand(batch_size, generator=gen).pow(-5.0).long().clamp(2, max_len)
         events = int(lengths.sum())
-        values = [torch.randint(1, num_items + 1, (events,), generator=gen),
-                  torch.randint(1, num_items + 1, (batch_size * negatives,), generator=gen),
-                  torch.randint(0, 5, (events,), generator=gen),
-                  torch.randint(1, 1000, (batch_size,), generator=gen),
-                  torch.cumsum(torch.randint(0, 3600, (events,), generator=gen), 0)]
-        key_lengths = [lengths, torch.full((batch_size,), negatives), lengths, torch.ones(batch_size, dtype=torch.long),
-                       lengths]
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["item", "item_neg", "action", "user", "time"],
-                                                  values=torch.cat(values), lengths=torch.cat(key_lengths))
+        values = [
+            torch.randint(1, num_items + 1, (events,), generator=gen),
+            torch.randint(1, num_items + 1, (batch_size * negatives,), generator=gen),
+            torch.randint(0, 5, (events,), generator=gen),
+            torch.randint(1, 1000, (batch_size,), generator=gen),
+            torch.cumsum(torch.randint(0, 3600, (events,), generator=gen), 0),
+        ]
+        key_lengths = [
+            lengths,
+            torch.full((batch_size,), negatives),
+            lengths,
+            torch.ones(batch_size, dtype=torch.long),
+            lengths,
+        ]
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["item", "item_neg", "action", "user", "time"],
+            values=torch.cat(values),
+            lengths=torch.cat(key_lengths),
+        )
         batch = HSTUBatch(kjt, sequence_keys=("item", "action", "time"))
         batches.append(batch.pin_memory() if torch.cuda.is_available() else batch)
     return batches
@@ -88,15 +98,24 @@ def make_batches(count, batch_size, max_len, num_items, negatives, seed=0):
 
 def model_sizes(sizes, attention="auto") -> dict:
     """HSTURecommender's arguments for a workload."""
-    return dict(embedding_dim=sizes["embedding_dim"], num_layers=sizes["num_layers"], num_heads=sizes["num_heads"],
-                attention_dim=sizes["attention_dim"], hidden_dim=sizes["hidden_dim"], max_seq_len=sizes["max_len"],
-                dropout=0.0, attention=attention, retrieval_loss="sampled")  # 16 sampled negatives per history
+    return dict(
+        embedding_dim=sizes["embedding_dim"],
+        num_layers=sizes["num_layers"],
+        num_heads=sizes["num_heads"],
+        attention_dim=sizes["attention_dim"],
+        hidden_dim=sizes["hidden_dim"],
+        max_seq_len=sizes["max_len"],
+        dropout=0.0,
+        attention=attention,
+        retrieval_loss="sampled",
+    )  # 16 sampled negatives per history
 
 
 def build_model(sizes, device, num_items, world=1, attention="auto", balance=True, own_group=True):
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000,
-                            num_actions=5).to(device)
+    model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000, num_actions=5).to(
+        device
+    )
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(32, group=shuffle_group(balance and own_group), enabled=balance and world > 1)
@@ -120,12 +139,14 @@ def run_plain(model, optimizer, autocast):
     def run(batches):
         for batch in batches:
             plain_step(model, optimizer, batch, autocast=autocast)
+
     return run
 
 
 def run_pipeline(model, optimizer, autocast, device):
-    pipeline = TrainPipelineSparseDist(PipelineModel(model, autocast),
-                                       FinalizingOptimizer(optimizer, model.dense_grads), device)
+    pipeline = TrainPipelineSparseDist(
+        PipelineModel(model, autocast), FinalizingOptimizer(optimizer, model.dense_grads), device
+    )
 
     def run(batches):
         iterator = iter([PipelineBatch.of(b) for b in batches])
@@ -134,6 +155,7 @@ def run_pipeline(model, optimizer, autocast, device):
                 pipeline.progress(iterator)
             except StopIteration:
                 return
+
     return run
 
 
@@ -141,14 +163,19 @@ def run_engine(model, optimizer, autocast, device, preset, capture=False):
     losses = []
     graphed = GraphedMethod(model.objectives, "losses", max_graphs=6) if capture else None
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
-    engine = Engine(plan, engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed),
-                    device=device if device.type == "cuda" else None, step_timeout=600,
-                    graphs={"forward": graphed} if capture else None).start()
+    engine = Engine(
+        plan,
+        engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed),
+        device=device if device.type == "cuda" else None,
+        step_timeout=600,
+        graphs={"forward": graphed} if capture else None,
+    ).start()
 
     def run(batches):
         records = engine.run(batches)
         losses.clear()
         return records
+
     return run, engine
 
 
@@ -205,28 +232,63 @@ class _StepRecords(pl.Callback):
             self.steps += 1
 
 
-def measure_trainer(mode, strategy, sizes, batches, warmup, steps, repeats, device, num_items, attention,
-                    balance=True, nonfinite="raise"):
+def measure_trainer(
+    mode,
+    strategy,
+    sizes,
+    batches,
+    warmup,
+    steps,
+    repeats,
+    device,
+    num_items,
+    attention,
+    balance=True,
+    nonfinite="raise",
+):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
     ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop)."""
     torch.manual_seed(0)
-    model = HSTURecommender(**model_sizes(sizes, attention), sparse_optimizer="sgd", lr=1e-4, balance_batches=balance,
-                            on_nonfinite_loss=nonfinite)
+    model = HSTURecommender(
+        **model_sizes(sizes, attention),
+        sparse_optimizer="sgd",
+        lr=1e-4,
+        balance_batches=balance,
+        on_nonfinite_loss=nonfinite,
+    )
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
     loop = (batches * (total // len(batches) + 1))[:total]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=world, use_distributed_sampler=False,
-                         precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=total,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=[timer, recorder])
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator=device.type,
+        devices=world,
+        use_distributed_sampler=False,
+        precision="bf16-mixed" if device.type == "cuda" else "32-true",
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer, recorder],
+    )
     _reset_peak(device)
     trainer.fit(model, _Batches(loop, num_items))
     times = timer.times[:repeats]
-    return {"mode": mode, "ms": statistics.median(times), "best": min(times), "spread": max(times) - min(times),
-            "kernel_ms": timer.kernel_ms, "records": recorder.records or None, "record_steps": recorder.steps,
-            "peak_gib": _peak_gib(device), "plan": strategy.plan if strategy.use_engine else None}
+    return {
+        "mode": mode,
+        "ms": statistics.median(times),
+        "best": min(times),
+        "spread": max(times) - min(times),
+        "kernel_ms": timer.kernel_ms,
+        "records": recorder.records or None,
+        "record_steps": recorder.steps,
+        "peak_gib": _peak_gib(device),
+        "plan": strategy.plan if strategy.use_engine else None,
+    }
 
 
 def exposed_side_chain_ms(records, plan, steps) -> float | None:
@@ -236,8 +298,11 @@ def exposed_side_chain_ms(records, plan, steps) -> float | None:
         return None
     compute = plan.task("forward").thread
     side = {t.name for t in plan.tasks if t.lookahead > 0}
-    exposed = sum(r.duration + r.wait if r.task in side else r.wait
-                  for r in records if r.thread == compute and (r.task in side or side & set(r.waited_on)))
+    exposed = sum(
+        r.duration + r.wait if r.task in side else r.wait
+        for r in records
+        if r.thread == compute and (r.task in side or side & set(r.waited_on))
+    )
     return exposed * 1e3 / steps
 
 
@@ -272,9 +337,17 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         ms, extra = timed(run, batches[warmup:], device)
         times.append(ms)
         records = extra if isinstance(extra, list) else records
-    return {"mode": name, "ms": statistics.median(times), "best": min(times), "spread": max(times) - min(times),
-            "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device), "records": records,
-            "record_steps": len(batches) - warmup, "peak_gib": _peak_gib(device), "plan": plan}
+    return {
+        "mode": name,
+        "ms": statistics.median(times),
+        "best": min(times),
+        "spread": max(times) - min(times),
+        "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device),
+        "records": records,
+        "record_steps": len(batches) - warmup,
+        "peak_gib": _peak_gib(device),
+        "plan": plan,
+    }
 
 
 def _reset_peak(device):
@@ -315,8 +388,20 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
 
     def user_path(name, nonfinite="raise", **strategy_args):
-        return measure_trainer(name, HSTUPipelineStrategy(**strategy_args), sizes, batches, args.warmup, args.steps,
-                               args.repeats, device, num_items, attention, balance, nonfinite)
+        return measure_trainer(
+            name,
+            HSTUPipelineStrategy(**strategy_args),
+            sizes,
+            batches,
+            args.warmup,
+            args.steps,
+            args.repeats,
+            device,
+            num_items,
+            attention,
+            balance,
+            nonfinite,
+        )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
     for preset in args.presets:
@@ -325,13 +410,20 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan))
         finally:
             engine.close()
-    best = min((r for r in results[1:]), key=lambda r: r["ms"])["mode"].removesuffix(" (Engine)") \
-        if args.presets else None
+    best = (
+        min((r for r in results[1:]), key=lambda r: r["ms"])["mode"].removesuffix(" (Engine)") if args.presets else None
+    )
     if device.type == "cuda" and best:
         run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
         try:
-            results.append(measure_(f"{best} + graphs (Engine)", run, passes=3,  # GraphedMethod's warm-up: 3
-                                    plan=engine.plan))
+            results.append(
+                measure_(
+                    f"{best} + graphs (Engine)",
+                    run,
+                    passes=3,  # GraphedMethod's warm-up: 3
+                    plan=engine.plan,
+                )
+            )
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
@@ -342,8 +434,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         if best:  # the loss checked after the step is queued, not before backward (on_nonfinite_loss="stop")
             results.append(user_path(f"{best}, stop", "stop", preset=best, step_timeout=600))
             if device.type == "cuda":
-                results.append(user_path(f"{best} + graphs, stop", "stop", preset=best, capture_graphs=True,
-                                         step_timeout=600))
+                results.append(
+                    user_path(f"{best} + graphs, stop", "stop", preset=best, capture_graphs=True, step_timeout=600)
+                )
     if not args.no_lightning:
         results.append(user_path("Lightning loop", engine=False))
     if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
@@ -355,24 +448,30 @@ def report(say, results, model, measured, negatives, world, steps):
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
-    say(f"{'mode':<25} {'ms/step':>8} {'best':>6} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
+    say(
+        f"{'mode':<25} {'ms/step':>8} {'best':>6} {'spread':>7} {'samples/s':>9}{global_column} {'kernel ms':>9} "
         f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8} {'exposed':>7}  host ms/step per engine thread "
-        f"(rank 0)")
+        f"(rank 0)"
+    )
     for r in results:
         kernel = r["kernel_ms"]
         global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
         exposed = "-" if exposed is None else f"{exposed:.2f}"
-        say(f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} "
+        say(
+            f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} "
             f"{32e3 / r['ms']:>9.0f}{global_rate} "
             f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
             f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
-            f"{thread_host_ms(r['records'], r['record_steps'])}")
+            f"{thread_host_ms(r['records'], r['record_steps'])}"
+        )
     before, after, shuffled = model.balance_totals
     if shuffled and world > 1:
-        say(f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
-            f"{after / shuffled:.3f}, mean over {shuffled} global batches")
+        say(
+            f"balanced shuffler (engine modes): max/mean rank cost {before / shuffled:.3f} -> "
+            f"{after / shuffled:.3f}, mean over {shuffled} global batches"
+        )
 
 
 def main():
@@ -385,15 +484,27 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
     parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
-    parser.add_argument("--no-user-path", action="store_true",
-                        help="leave out the presets through Trainer(strategy=HSTUPipelineStrategy(...))")
-    parser.add_argument("--shuffler", nargs="+", default=["balanced"],
-                        choices=["balanced", "balanced_step_group", "identity"],
-                        help="several ranks: the workload-balanced shuffler on its own process group (as "
-                             "HSTURecommender runs it), the same on the step's group (the Engine rows only), or the "
-                             "identity (no exchange)")
-    parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "fused", "padded"],
-                        help="auto: fused on CUDA, padded elsewhere")
+    parser.add_argument(
+        "--no-user-path",
+        action="store_true",
+        help="leave out the presets through Trainer(strategy=HSTUPipelineStrategy(...))",
+    )
+    parser.add_argument(
+        "--shuffler",
+        nargs="+",
+        default=["balanced"],
+        choices=["balanced", "balanced_step_group", "identity"],
+        help="several ranks: the workload-balanced shuffler on its own process group (as "
+        "HSTURecommender runs it), the same on the step's group (the Engine rows only), or the "
+        "identity (no exchange)",
+    )
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fused", "padded"],
+        help="auto: fused on CUDA, padded elsewhere",
+    )
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -408,23 +519,28 @@ def main():
     num_items = 1000 if args.small else 1_000_000
     negatives = 16
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    say(f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {world} rank(s); {args.steps} steps "
-          f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}")
+    say(
+        f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {world} rank(s); {args.steps} steps "
+        f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}"
+    )
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
         batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
         for attention, shuffler in itertools.product(args.attention, args.shuffler):
-            say(f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
-                f"per batch")
+            say(
+                f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
+                f"per batch"
+            )
             try:
-                results, model = run_modes(args, sizes, batches, device, autocast, num_items, world, attention,
-                                           shuffler)
+                results, model = run_modes(
+                    args, sizes, batches, device, autocast, num_items, world, attention, shuffler
+                )
             except torch.cuda.OutOfMemoryError as error:
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()
                 continue
-            report(say, results, model, batches[args.warmup:], negatives, world, args.steps)
+            report(say, results, model, batches[args.warmup :], negatives, world, args.steps)
     dist.destroy_process_group()
 
 

@@ -11,5 +11,18 @@ from .strategies import HSTUPipelineStrategy  # registers "hstu_<preset>" with L
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineError", "HSTUPipelineStrategy", "PRESET_NAMES", "Plan", "PlanError", "SKIPPED",
-           "StepTimeout", "Stream", "TaskError", "TaskRecord", "get_plan", "make_plan"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "HSTUPipelineStrategy",
+    "PRESET_NAMES",
+    "Plan",
+    "PlanError",
+    "SKIPPED",
+    "StepTimeout",
+    "Stream",
+    "TaskError",
+    "TaskRecord",
+    "get_plan",
+    "make_plan",
+]

@@ -45,8 +45,9 @@ def run_lightning_cli(argv: list[str] | None):
             if any(isinstance(c, RankingReport) for c in self.trainer.callbacks) and not self.trainer.interrupted:
                 self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
 
-    return FitThenTestCLI(args=argv, subclass_mode_model=True, subclass_mode_data=True,
-                          save_config_callback=_run_config_callback())
+    return FitThenTestCLI(
+        args=argv, subclass_mode_model=True, subclass_mode_data=True, save_config_callback=_run_config_callback()
+    )
 
 
 def _run_config_callback():
@@ -95,20 +96,28 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="command")
 
     presets = commands.add_parser("presets", help="print the presets' plans, or a preset's plan with changes")
-    presets.add_argument("names", nargs="*",
-                         help=f"presets to show (default: all nine); with --cascade, --thread-map or --ticket-order "
-                              f"at most one, the plan they change (default: {DEFAULT_PRESET})")
+    presets.add_argument(
+        "names",
+        nargs="*",
+        help=f"presets to show (default: all nine); with --cascade, --thread-map or --ticket-order "
+        f"at most one, the plan they change (default: {DEFAULT_PRESET})",
+    )
     _add_plan_changes(presets)
     presets.add_argument("--verbose", "-v", action="store_true", help="one block per plan, with tickets")
     presets.add_argument("--plot", metavar="DIR", help="also draw each plan's topology into DIR (PNG and SVG)")
-    presets.add_argument("--capture-graphs", action="store_true",
-                         help="mark forward and backward capturable, as HSTUPipelineStrategy(capture_graphs=True)")
+    presets.add_argument(
+        "--capture-graphs",
+        action="store_true",
+        help="mark forward and backward capturable, as HSTUPipelineStrategy(capture_graphs=True)",
+    )
     presets.set_defaults(run=_presets)
 
     demo = commands.add_parser("demo", help="run a plan over a toy CPU workload and print per-task timing")
-    demo.add_argument("--preset", default=DEFAULT_PRESET,
-                      help=f"one of: {', '.join(PRESET_NAMES)} (default: {DEFAULT_PRESET}); the options below change "
-                           f"its plan")
+    demo.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        help=f"one of: {', '.join(PRESET_NAMES)} (default: {DEFAULT_PRESET}); the options below change its plan",
+    )
     _add_plan_changes(demo)
     demo.add_argument("--steps", type=int, default=64, help="batches to train (default 64)")
     demo.set_defaults(run=_demo)
@@ -120,10 +129,14 @@ def _add_plan_changes(parser: argparse.ArgumentParser) -> None:
         "changes to a preset's plan",
         "--cascade, --thread-map and --ticket-order replace that part of the preset's plan and keep the rest, as "
         "HSTUPipelineStrategy(preset, lookahead=..., thread_map=...) does; the plan is then named 'custom'. "
-        "--no-prefetch changes any plan and keeps its name.")
+        "--no-prefetch changes any plan and keeps its name.",
+    )
     group.add_argument("--cascade", help='"d3", "d6" or JSON {"task": lookahead, ...} (tasks not named: 0)')
-    group.add_argument("--thread-map", help=f'{", ".join(THREAD_MAPS)}, "{NO_THREAD_MAP}" (every task on the '
-                                            f'caller\'s thread) or JSON {{"task": "thread", ...}}')
+    group.add_argument(
+        "--thread-map",
+        help=f'{", ".join(THREAD_MAPS)}, "{NO_THREAD_MAP}" (every task on the '
+        f'caller\'s thread) or JSON {{"task": "thread", ...}}',
+    )
     group.add_argument("--no-prefetch", action="store_true", help="no prefetch_embeddings -> backward sync")
     group.add_argument("--ticket-order", help="collective tasks in launch order, comma-separated")
 
@@ -134,10 +147,14 @@ def _replaces_parts(args: argparse.Namespace) -> bool:
 
 def _plan(args: argparse.Namespace, preset: str, capturable=()) -> Plan:
     """``preset``'s plan with the changes the options ask for (``resolve_plan``, as the strategy)."""
-    return resolve_plan(preset, cascade=_json_or_name(args.cascade, "--cascade"),
-                        thread_map=_json_or_name(args.thread_map, "--thread-map"), prefetch=not args.no_prefetch,
-                        ticket_order=args.ticket_order.split(",") if args.ticket_order else None,
-                        capturable=capturable)
+    return resolve_plan(
+        preset,
+        cascade=_json_or_name(args.cascade, "--cascade"),
+        thread_map=_json_or_name(args.thread_map, "--thread-map"),
+        prefetch=not args.no_prefetch,
+        ticket_order=args.ticket_order.split(",") if args.ticket_order else None,
+        capturable=capturable,
+    )
 
 
 def _json_or_name(text: str | None, option: str):
@@ -154,13 +171,19 @@ def _presets(args: argparse.Namespace) -> int:
     names = args.names or PRESET_NAMES
     if _replaces_parts(args):
         if len(args.names) > 1:
-            raise PlanError(f"--cascade, --thread-map and --ticket-order change one preset's plan, got "
-                            f"{len(args.names)} presets: {', '.join(args.names)}")
+            raise PlanError(
+                f"--cascade, --thread-map and --ticket-order change one preset's plan, got "
+                f"{len(args.names)} presets: {', '.join(args.names)}"
+            )
         names = args.names or [DEFAULT_PRESET]
     plans = [_plan(args, name, capturable) for name in names]
     if args.verbose:
-        print("\n\n".join(plan.describe() + (f"\nmeasured: {PRESET_NOTES[plan.name]}" if plan.name in PRESET_NOTES
-                                               else "") for plan in plans))
+        print(
+            "\n\n".join(
+                plan.describe() + (f"\nmeasured: {PRESET_NOTES[plan.name]}" if plan.name in PRESET_NOTES else "")
+                for plan in plans
+            )
+        )
     else:
         print(format_preset_table(plans))
     if args.plot:
@@ -176,8 +199,10 @@ def format_preset_table(plans: list[Plan]) -> str:
     """One row per plan: name, cascade, depth, threads with their tasks, waits."""
     rows = [("preset", "cascade", "depth", "threads (task@lookahead)", "waits")]
     for plan in plans:
-        threads = " | ".join(f"{thread}: " + " ".join(f"{n}@{plan.task(n).lookahead}" for n in names)
-                             for thread, names in plan.threads.items())
+        threads = " | ".join(
+            f"{thread}: " + " ".join(f"{n}@{plan.task(n).lookahead}" for n in names)
+            for thread, names in plan.threads.items()
+        )
         waits = ", ".join(f"{p}->{c}" for p, c in plan.sorted_wait_edges()) or "none"
         rows.append((plan.name, plan.cascade, str(plan.depth), f"({len(plan.threads)}) {threads}", waits))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -37,8 +37,14 @@ def toy_batches(config: ToyConfig, count: int) -> list[dict[str, torch.Tensor]]:
         lengths = (config.max_len / ranks.pow(0.5)).long().clamp(2, config.max_len)
         ids = torch.randint(0, config.num_items, (config.batch_size, config.max_len), generator=gen)
         mask = torch.arange(config.max_len) < lengths[:, None]
-        batches.append({"ids": ids * mask, "mask": mask, "lengths": lengths,
-                        "targets": torch.randint(0, 2, (config.batch_size,), generator=gen).float()})
+        batches.append(
+            {
+                "ids": ids * mask,
+                "mask": mask,
+                "lengths": lengths,
+                "targets": torch.randint(0, 2, (config.batch_size,), generator=gen).float(),
+            }
+        )
     return batches
 
 
@@ -130,9 +136,13 @@ def demo(plan: Plan, steps: int, config: ToyConfig = ToyConfig()) -> str:
     base_records, base_s, base_model = run_toy(get_plan("legacy_none"), batches, config)
     records, seconds, model = run_toy(plan, batches, config)
     same = base_model.losses == model.losses
-    lines = [plan.describe(), "",
-             f"toy workload: {steps} batches of {config.batch_size} sequences (max length {config.max_len})",
-             format_summary(summarize(records, [t.name for t in plan.tasks])), "",
-             f"{plan.name}: {1e3 * seconds / steps:.3f} ms/step   legacy_none: {1e3 * base_s / steps:.3f} ms/step",
-             f"losses identical to legacy_none: {same}   last loss: {model.losses[-1]:.4f}"]
+    lines = [
+        plan.describe(),
+        "",
+        f"toy workload: {steps} batches of {config.batch_size} sequences (max length {config.max_len})",
+        format_summary(summarize(records, [t.name for t in plan.tasks])),
+        "",
+        f"{plan.name}: {1e3 * seconds / steps:.3f} ms/step   legacy_none: {1e3 * base_s / steps:.3f} ms/step",
+        f"losses identical to legacy_none: {same}   last loss: {model.losses[-1]:.4f}",
+    ]
     return "\n".join(lines)

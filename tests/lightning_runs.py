@@ -6,17 +6,27 @@ import torch
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-             num_sanity_val_steps=0)
+QUIET = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 
 
-def fit(strategy, *, model_cls=ToyRecommender, model_kwargs=None, data_kwargs=None, ckpt_path=None,
-        **trainer_kwargs):
+def fit(strategy, *, model_cls=ToyRecommender, model_kwargs=None, data_kwargs=None, ckpt_path=None, **trainer_kwargs):
     """Train a fresh model, made after seeding (12 batches an epoch by default); return (model, trainer)."""
     pl.seed_everything(0, verbose=False)
     model = model_cls(**(model_kwargs or {}))
-    options = {**QUIET, "accelerator": "cpu", "devices": 1, "max_epochs": 2,
-               "use_distributed_sampler": False, **trainer_kwargs}
+    options = {
+        **QUIET,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "use_distributed_sampler": False,
+        **trainer_kwargs,
+    }
     trainer = pl.Trainer(strategy=strategy, **options)
     trainer.fit(model, ToyDataModule(**(data_kwargs or {})), ckpt_path=ckpt_path)
     return model, trainer

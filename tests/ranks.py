@@ -11,8 +11,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Set in the test process by single-process DDP fits; a new multi-process launch must not inherit them.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                    "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
 
 
 def launch_env() -> dict[str, str]:
@@ -23,15 +33,24 @@ def run_script(script: Path, cwd: Path, *args, timeout: float) -> subprocess.Com
     """``python SCRIPT ARGS...`` in ``cwd``, as a new multi-process launch (see ``launch_env``); its output is
     captured. Past ``timeout`` seconds every process of the launch is killed (the ranks a launcher started too,
     which would otherwise outlive it holding their devices) and the test fails with the end of the output."""
-    process = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=cwd, env=launch_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=cwd,
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"{script.name} {' '.join(map(str, args))} did not end within {timeout:g} s; "
-                             f"its output ends:\n{stderr[-3000:]}") from None
+        raise AssertionError(
+            f"{script.name} {' '.join(map(str, args))} did not end within {timeout:g} s; "
+            f"its output ends:\n{stderr[-3000:]}"
+        ) from None
     except BaseException:  # KeyboardInterrupt: in a session of their own the ranks would not get it
         os.killpg(process.pid, signal.SIGKILL)
         raise

@@ -3,11 +3,20 @@ CPU, and one for the GPU, where the fused attention kernel needs heads of at lea
 
 from lightning_hstu.data.histories import SyntheticHistories
 
-SMALL_MODEL = dict(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
-                   dropout=0.0)
+SMALL_MODEL = dict(
+    embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32, dropout=0.0
+)
 
-GPU_MODEL = dict(embedding_dim=64, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32, max_seq_len=64,
-                 dropout=0.0, sparse_optimizer="sgd")
+GPU_MODEL = dict(
+    embedding_dim=64,
+    num_layers=2,
+    num_heads=2,
+    attention_dim=32,
+    hidden_dim=32,
+    max_seq_len=64,
+    dropout=0.0,
+    sparse_optimizer="sgd",
+)
 
 
 def small_data(**kwargs):
@@ -16,8 +25,9 @@ def small_data(**kwargs):
 
 
 def gpu_data(**kwargs):
-    return SyntheticHistories(**{**dict(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8),
-                                 **kwargs})
+    return SyntheticHistories(
+        **{**dict(num_users=256, num_items=1000, max_seq_len=64, batch_size=16, negatives=8), **kwargs}
+    )
 
 
 def model_and_data(accelerator: str):

@@ -11,7 +11,7 @@ from lightning_hstu.hstu.balance import hstu_cost, imbalance, karmarkar_karp
 
 def zipf_lengths(n, max_len, seed, alpha=1.2):
     rng = random.Random(seed)
-    weights = [1 / k ** alpha for k in range(1, max_len + 1)]
+    weights = [1 / k**alpha for k in range(1, max_len + 1)]
     return rng.choices(range(1, max_len + 1), weights=weights, k=n)
 
 

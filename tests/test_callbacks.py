@@ -42,8 +42,11 @@ def test_nvtx_ranges_are_balanced_per_thread_and_name_task_and_batch(nvtx_calls)
         assert depth[thread] >= 0, thread
     assert all(d == 0 for d in depth.values())
     plan = get_plan("per_task_d3")
-    task_ranges = Counter((message.split("@")[0], payload) for kind, thread, message, payload in nvtx_calls
-                          if kind == "push" and thread.startswith("hstu-"))
+    task_ranges = Counter(
+        (message.split("@")[0], payload)
+        for kind, thread, message, payload in nvtx_calls
+        if kind == "push" and thread.startswith("hstu-")
+    )
     assert task_ranges == Counter({(t, b): 1 for t in HSTU_TASK_NAMES for b in range(12)})
     for kind, thread, message, payload in nvtx_calls:
         if kind == "push" and thread.startswith("hstu-"):
@@ -71,8 +74,11 @@ def test_timing_counts_every_task_once_per_batch_and_waits_only_on_wait_edges(ca
 
 def test_the_trace_has_a_track_per_thread_and_every_task_of_the_traced_steps(tmp_path):
     path = tmp_path / "trace.json"
-    fit(HSTUPipelineStrategy("full_split_d6"), callbacks=[TraceCallback(str(path), first_batch=4, num_batches=3)],
-        max_epochs=1)
+    fit(
+        HSTUPipelineStrategy("full_split_d6"),
+        callbacks=[TraceCallback(str(path), first_batch=4, num_batches=3)],
+        max_epochs=1,
+    )
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -87,8 +93,7 @@ def test_the_trace_has_a_track_per_thread_and_every_task_of_the_traced_steps(tmp
 
 
 def test_pictures_are_written(tmp_path, capsys):
-    fit(HSTUPipelineStrategy("default_d6"), callbacks=[GanttCallback(str(tmp_path / "gantt"), batch=5)],
-        max_epochs=1)
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[GanttCallback(str(tmp_path / "gantt"), batch=5)], max_epochs=1)
     assert main(["presets", "--plot", str(tmp_path / "topology")]) == 0
     for path in [tmp_path / "gantt.png", *(tmp_path / "topology" / f"{n}.png" for n in PRESET_NAMES)]:
         data = path.read_bytes()
@@ -104,15 +109,19 @@ def test_the_inventory_gives_autograds_backward_collectives_to_the_backward_task
     def event(name, tid, ts, dur, **args):
         return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
-    trace = [event(f"{RANGE_PREFIX}backward@7|compute", 1, 100, 50),
-             event(f"{RANGE_PREFIX}start_shuffle@9|io", 2, 90, 80),
-             event("c10d::alltoall_base_", 3, 120, 5),  # autograd's thread, during backward
-             event("nccl:all_to_all", 3, 121, 3, **{"Input Dims": [[64, 8]], "Input type": ["float"]}),
-             event("c10d::allgather_", 2, 95, 4),  # the io thread's own launch
-             event("c10d::allreduce_", 3, 300, 5)]  # after every range: not an engine task's
+    trace = [
+        event(f"{RANGE_PREFIX}backward@7|compute", 1, 100, 50),
+        event(f"{RANGE_PREFIX}start_shuffle@9|io", 2, 90, 80),
+        event("c10d::alltoall_base_", 3, 120, 5),  # autograd's thread, during backward
+        event("nccl:all_to_all", 3, 121, 3, **{"Input Dims": [[64, 8]], "Input type": ["float"]}),
+        event("c10d::allgather_", 2, 95, 4),  # the io thread's own launch
+        event("c10d::allreduce_", 3, 300, 5),
+    ]  # after every range: not an engine task's
     got = [(c.task, c.batch, c.thread, c.operation, c.payload_bytes) for c in inventory_from(trace)]
-    assert got == [("start_shuffle", 9, "io", "allgather", None),
-                   ("backward", 7, AUTOGRAD_THREAD, "alltoall", 64 * 8 * 4)]
+    assert got == [
+        ("start_shuffle", 9, "io", "allgather", None),
+        ("backward", 7, AUTOGRAD_THREAD, "alltoall", 64 * 8 * 4),
+    ]
 
 
 def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_drivers_kernel_launch():
@@ -123,13 +132,24 @@ def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_driver
     def event(name, tid, ts, dur, cat="cpu_op", **args):
         return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
-    trace = [event(f"{RANGE_PREFIX}wait_input_dist@4|data_dist", 1, 100, 50),
-             event("c10d::alltoall_base_", 1, 110, 20),
-             event("record_param_comms", 1, 111, 15, **{"In msg nelems": 96, "dtype": "Long",
-                                                       "Process Group Name": "0",
-                                                       "Process Group Description": "default_pg"}),
-             event("cuLaunchKernelEx", 1, 115, 2, cat="cuda_driver", correlation=42),
-             event("ncclDevKernel_SendRecv", 7, 116, 30, cat="kernel", correlation=42, stream=13)]
+    trace = [
+        event(f"{RANGE_PREFIX}wait_input_dist@4|data_dist", 1, 100, 50),
+        event("c10d::alltoall_base_", 1, 110, 20),
+        event(
+            "record_param_comms",
+            1,
+            111,
+            15,
+            **{
+                "In msg nelems": 96,
+                "dtype": "Long",
+                "Process Group Name": "0",
+                "Process Group Description": "default_pg",
+            },
+        ),
+        event("cuLaunchKernelEx", 1, 115, 2, cat="cuda_driver", correlation=42),
+        event("ncclDevKernel_SendRecv", 7, 116, 30, cat="kernel", correlation=42, stream=13),
+    ]
     (got,) = inventory_from(trace)
     assert (got.task, got.batch, got.thread, got.operation) == ("wait_input_dist", 4, "data_dist", "alltoall")
     assert (got.payload_bytes, got.process_group, got.stream) == (96 * 8, "0 (default_pg)", 13)

@@ -87,10 +87,13 @@ def test_demo_trains_the_toy_model_and_prints_per_task_timing(capsys):
     code, out, _ = run_cli(capsys, "demo", "--preset", "full_split_d3", "--steps", "6")
     assert code == 0
     assert "losses identical to legacy_none: True" in out
-    table = out[out.index("task "):]
+    table = out[out.index("task ") :]
     for task in ("h2d", "forward", "watchdog"):
-        assert any(line.split()[:3] == [task, line.split()[1], "6"] for line in table.splitlines()
-                   if line.startswith(task + " "))
+        assert any(
+            line.split()[:3] == [task, line.split()[1], "6"]
+            for line in table.splitlines()
+            if line.startswith(task + " ")
+        )
 
 
 def test_demo_changes_the_preset_it_is_given(capsys):
@@ -123,30 +126,61 @@ def test_fit_takes_the_preset_from_the_yaml_config(tmp_path):
 def test_fit_takes_the_strategy_by_name_on_the_command_line(tmp_path):
     from lightning_hstu.cli import run_lightning_cli
 
-    cli = run_lightning_cli(["fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_full_split_d6",
-                             f"--trainer.default_root_dir={tmp_path}", *QUIET_CLI])
+    cli = run_lightning_cli(
+        [
+            "fit",
+            "--config",
+            str(EXAMPLE),
+            "--trainer.strategy=hstu_full_split_d6",
+            f"--trainer.default_root_dir={tmp_path}",
+            *QUIET_CLI,
+        ]
+    )
     assert cli.trainer.strategy.plan.name == "full_split_d6"
     assert cli.trainer.global_step == 16
 
 
 def test_fit_with_an_unknown_preset_name_lists_the_valid_ones(capsys, tmp_path):
-    code, _, err = run_cli(capsys, "fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_default_d4",
-                           f"--trainer.default_root_dir={tmp_path}")
+    code, _, err = run_cli(
+        capsys,
+        "fit",
+        "--config",
+        str(EXAMPLE),
+        "--trainer.strategy=hstu_default_d4",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
     assert code == 2
     assert "unknown strategy 'hstu_default_d4'; the HSTU strategies are: hstu_legacy_none," in err
 
 
 def test_fit_with_an_unknown_preset_in_init_args_lists_the_valid_ones(tmp_path):
     script = Path(sys.executable).parent / "lightning-hstu"
-    result = subprocess.run([str(script), "fit", "--config", str(EXAMPLE),
-                             "--trainer.strategy.init_args.preset=fastest", f"--trainer.default_root_dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            str(script),
+            "fit",
+            "--config",
+            str(EXAMPLE),
+            "--trainer.strategy.init_args.preset=fastest",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "unknown preset 'fastest'; valid presets: legacy_none, default_d3" in result.stderr
 
 
-KNOWN_NOTICES = ("TopologyFactory", "HeuristicalStorageReservation", "dense tensor size", "Transformer Engine and Apex",
-                 "full scope is deprecated", "is_fx_tracing", "LeafSpec")
+KNOWN_NOTICES = (
+    "TopologyFactory",
+    "HeuristicalStorageReservation",
+    "dense tensor size",
+    "Transformer Engine and Apex",
+    "full scope is deprecated",
+    "is_fx_tracing",
+    "LeafSpec",
+)
 
 
 def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_without_known_notices(tmp_path):
@@ -157,14 +191,21 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
 
     config = yaml.safe_load((EXAMPLE.parent / "movielens.yaml").read_text())
     config["model"]["init_args"].update(embedding_dim=16, num_heads=1, attention_dim=8, hidden_dim=8, max_seq_len=32)
-    config["data"] = {"class_path": "lightning_hstu.data.histories.SyntheticHistories",
-                      "init_args": dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=0,
-                                        length_buckets=4)}
+    config["data"] = {
+        "class_path": "lightning_hstu.data.histories.SyntheticHistories",
+        "init_args": dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=0, length_buckets=4),
+    }
     config["trainer"]["max_epochs"] = 2
     (tmp_path / "main.yaml").write_text(yaml.safe_dump(config))
     script = Path(sys.executable).parent / "lightning-hstu"
-    result = subprocess.run([str(script), "fit", "--config", "main.yaml"], capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path, env=launch_env())  # not this process's rendezvous port
+    result = subprocess.run(
+        [str(script), "fit", "--config", "main.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=launch_env(),
+    )  # not this process's rendezvous port
     assert result.returncode == 0, result.stderr[-3000:]
     for notice in KNOWN_NOTICES:
         assert notice not in result.stderr, notice

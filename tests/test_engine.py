@@ -136,6 +136,7 @@ def test_before_step_sees_the_batch_about_to_train_and_can_end_the_run():
     workload = TracingWorkload(plan)
     seen = []
     with Engine(plan, workload.bodies()) as engine:
+
         def before_step(step):
             if step >= 0:
                 slots = engine.slots(step)  # batch `step` reaches lookahead 0 in this step

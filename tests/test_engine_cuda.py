@@ -50,6 +50,7 @@ class IntegerWorkload:
             for slot in task.writes:
                 batch[slot] = y
             self.outputs[(task.name, batch.index)] = y
+
         return body
 
 

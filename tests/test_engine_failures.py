@@ -25,6 +25,7 @@ def failing_at(batch_index, exc):
     def body(batch):
         if batch.index == batch_index:
             raise exc
+
     return body
 
 
@@ -57,8 +58,9 @@ def test_a_failing_producer_does_not_hang_its_waiting_consumer():
     def start_input_dist(batch):
         started.set()
 
-    with Engine(plan, bodies_with(plan, finish_shuffle=slow_finish_shuffle,
-                                  start_input_dist=start_input_dist), step_timeout=30) as engine:
+    with Engine(
+        plan, bodies_with(plan, finish_shuffle=slow_finish_shuffle, start_input_dist=start_input_dist), step_timeout=30
+    ) as engine:
         with pytest.raises(TaskError, match="task 'finish_shuffle' failed on batch 0 .*thread 'io'"):
             engine.run(range(8))
 

@@ -39,8 +39,7 @@ def lookaheads(draw):
 
 
 thread_maps = st.fixed_dictionaries({t.name: st.sampled_from(THREAD_NAMES) for t in TASKS})
-settings.register_profile("engine", max_examples=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("engine", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _legacy_cache = {}
 
@@ -67,16 +66,26 @@ def run_and_check(plan, batches, seed):
 
 
 @settings(settings.get_profile("engine"))
-@given(la=lookaheads(), thread_map=thread_maps | st.none(), batches=st.integers(0, 12),
-       prefetch=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    la=lookaheads(),
+    thread_map=thread_maps | st.none(),
+    batches=st.integers(0, 12),
+    prefetch=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_random_plans_keep_the_invariants(la, thread_map, batches, prefetch, seed):
     plan = make_plan(la, thread_map, prefetch)
     run_and_check(plan, batches, seed)
 
 
 @settings(settings.get_profile("engine"))
-@given(la=lookaheads(), thread_map=thread_maps, batches=st.integers(1, 8), seed=st.integers(0, 1000),
-       swaps=st.integers(1, 3))
+@given(
+    la=lookaheads(),
+    thread_map=thread_maps,
+    batches=st.integers(1, 8),
+    seed=st.integers(0, 1000),
+    swaps=st.integers(1, 3),
+)
 def test_a_ticket_order_the_check_accepts_never_deadlocks(la, thread_map, batches, seed, swaps):
     # A few swaps of neighbours: about a third of such orders pass the check (a full shuffle almost never).
     order = list(get_plan("default_d3").ticket_order)

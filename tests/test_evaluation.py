@@ -11,8 +11,7 @@ from lightning_hstu.data.histories import History
 
 def test_the_held_out_item_is_ranked_among_all_items_and_among_the_unseen_ones():
     #                      item: 0     1    2    3    4    5
-    scores = torch.tensor([[9.0, 0.9, 0.8, 0.7, 0.6, 0.5],
-                           [9.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
+    scores = torch.tensor([[9.0, 0.9, 0.8, 0.7, 0.6, 0.5], [9.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
     targets = torch.tensor([3, 1])
     history = torch.tensor([1, 4, 1, 5, 2])  # user 0 saw 1 and 4; user 1 saw 1 (its target again), 5 and 2
     ranks = target_ranks(scores, targets, history, torch.tensor([2, 3]))

@@ -28,29 +28,48 @@ from lightning_hstu.strategies import sharded_checkpoint
 SCRIPT = Path(__file__).parent / "scripts" / "hstu_resume.py"
 
 
-def fit_hstu(max_steps: int, dirpath: Path | None = None, ckpt_path: Path | None = None, weights_only=None,
-             keep: int = 1):
+def fit_hstu(
+    max_steps: int, dirpath: Path | None = None, ckpt_path: Path | None = None, weights_only=None, keep: int = 1
+):
     """The small HSTU model trained to ``max_steps``; with ``dirpath``, a checkpoint every three steps (the
     newest ``keep`` kept, and ``last.ckpt``). Returns the trained model."""
     pl.seed_everything(0, verbose=False)
     model = HSTURecommender(**SMALL_MODEL)
-    callbacks = [] if dirpath is None else [
-        ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=keep, save_last=True, filename="{step}")]
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=1,
-                         max_steps=max_steps, logger=False, enable_checkpointing=dirpath is not None,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks)
-    trainer.fit(model, small_data(), ckpt_path=None if ckpt_path is None else str(ckpt_path),
-                weights_only=weights_only)
+    callbacks = (
+        []
+        if dirpath is None
+        else [
+            ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=keep, save_last=True, filename="{step}")
+        ]
+    )
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=dirpath is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, small_data(), ckpt_path=None if ckpt_path is None else str(ckpt_path), weights_only=weights_only)
     return model
 
 
 def trained_state(model) -> dict[str, torch.Tensor]:
     """Every weight and the fused sparse optimizer's state, as plain tensors (the local shards)."""
-    state = {**model.state_dict(), **{f"sparse.{k}": v for k, v in
-                                      _flat(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])}}
-    return {name: (value.local_shards()[0].tensor if hasattr(value, "local_shards") else value).clone()
-            for name, value in state.items() if hasattr(value, "local_shards") or isinstance(value, torch.Tensor)}
+    state = {
+        **model.state_dict(),
+        **{f"sparse.{k}": v for k, v in _flat(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])},
+    }
+    return {
+        name: (value.local_shards()[0].tensor if hasattr(value, "local_shards") else value).clone()
+        for name, value in state.items()
+        if hasattr(value, "local_shards") or isinstance(value, torch.Tensor)
+    }
 
 
 def _flat(state: dict, prefix: str = ""):
@@ -79,6 +98,7 @@ def uninterrupted(tmp_path_factory):
 
 
 # ----- no code from a checkpoint unless asked ---------------------------------------------------------------
+
 
 def leave_marker(path: str) -> None:
     """What hostile code in a checkpoint would run (here: it only writes a file)."""
@@ -144,6 +164,7 @@ def test_a_non_tensor_shard_entry_is_read_weights_only(tmp_path):
 
 # ----- atomic saves ----------------------------------------------------------------------------------------
 
+
 class Injected(OSError):
     pass
 
@@ -168,6 +189,7 @@ def fail_on(target: str, nth: int, monkeypatch, stage: str) -> None:
             if hit(self.path):
                 raise Injected("no space left on device (injected, DCP save)")
             return finish(self, *args, **kwargs)
+
         monkeypatch.setattr(writer, "finish", failing_finish)
     elif stage == "lightning.pt":
         save = torch.save
@@ -178,6 +200,7 @@ def fail_on(target: str, nth: int, monkeypatch, stage: str) -> None:
                 Path(f).write_bytes(Path(f).read_bytes()[: os.path.getsize(f) // 2])
                 raise Injected("no space left on device (injected, lightning.pt)")
             return save(obj, f, *args, **kwargs)
+
         monkeypatch.setattr(torch, "save", failing_save)
     else:
         move = sharded_checkpoint._move_into_place
@@ -186,16 +209,21 @@ def fail_on(target: str, nth: int, monkeypatch, stage: str) -> None:
             if hit(staging):
                 raise Injected("interrupted before the rename (injected)")
             return move(staging, final)
+
         monkeypatch.setattr(sharded_checkpoint, "_move_into_place", failing_move)
 
 
 @pytest.mark.parametrize("stage", ["shards", "lightning.pt", "rename"])
-@pytest.mark.parametrize("target, nth, left", [
-    ("step=6.ckpt", 1, {"step=3.ckpt": 3, "last.ckpt": 3}),  # save_top_k: step=3 is only removed after step=6 saved
-    ("last.ckpt", 2, {"step=6.ckpt": 6, "last.ckpt": 3}),    # save_last: the old last.ckpt stays, whole
-])
-def test_a_failed_save_leaves_the_previous_checkpoints_whole(uninterrupted, tmp_path, monkeypatch, stage, target,
-                                                             nth, left):
+@pytest.mark.parametrize(
+    "target, nth, left",
+    [
+        ("step=6.ckpt", 1, {"step=3.ckpt": 3, "last.ckpt": 3}),  # save_top_k: step=3 is only removed after step=6 saved
+        ("last.ckpt", 2, {"step=6.ckpt": 6, "last.ckpt": 3}),  # save_last: the old last.ckpt stays, whole
+    ],
+)
+def test_a_failed_save_leaves_the_previous_checkpoints_whole(
+    uninterrupted, tmp_path, monkeypatch, stage, target, nth, left
+):
     _, expected = uninterrupted
     with monkeypatch.context() as patch:
         fail_on(target, nth, patch, stage)
@@ -218,8 +246,14 @@ def test_a_checkpoint_that_mixes_two_saves_is_refused(uninterrupted, tmp_path):
 
 def run_script(out_dir: Path, *args: str, devices: int) -> subprocess.CompletedProcess:
     out_dir.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(SCRIPT), str(out_dir), "6", "--devices", str(devices), *args],
-                          capture_output=True, text=True, timeout=300, cwd=out_dir, env=launch_env())
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(out_dir), "6", "--devices", str(devices), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out_dir,
+        env=launch_env(),
+    )
 
 
 def test_a_save_failing_on_rank_0_is_an_error_on_every_rank_not_a_hang(tmp_path):
@@ -234,8 +268,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_is_cleaned_up_b
     assert killed.returncode != 0
     entries = sorted(os.listdir(tmp_path / "run"))
     assert "step=6.ckpt" not in entries and "step=3.ckpt" in entries
-    resumed = run_script(tmp_path / "run", "--save-every", "3", "--resume", str(tmp_path / "run" / "step=3.ckpt"),
-                         devices=1)
+    resumed = run_script(
+        tmp_path / "run", "--save-every", "3", "--resume", str(tmp_path / "run" / "step=3.ckpt"), devices=1
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.endswith("ckpt") or p.startswith(".")) == [
-        "step=3.ckpt", "step=6.ckpt"]  # the killed save's leftovers are gone
+        "step=3.ckpt",
+        "step=6.ckpt",
+    ]  # the killed save's leftovers are gone

@@ -32,13 +32,23 @@ from lightning_hstu.models.hstu import HSTURecommender
 
 def fit_hstu(model_kwargs=None, data=None):
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=1, max_steps=4,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(HSTURecommender(**{**SMALL_MODEL, **(model_kwargs or {})}), data or small_data())
 
 
 # ----- ids outside their table ---------------------------------------------------------------------------------
+
 
 class CraftedHistories(HistoryDataModule):
     """Twenty users of four events; user 7's second item id is ``bad_item`` (in its training history:
@@ -83,8 +93,9 @@ def _lookup_out_of_range(rank, world):
     embeddings = ShardedEmbeddings([table], torch.device("cpu"))
     outcome = {}
     for ids in ([1, 2, 12], [1, -3, 2]):
-        features = KeyedJaggedTensor.from_lengths_sync(keys=["item"], values=torch.tensor(ids),
-                                                       lengths=torch.tensor([1, 2]))
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=["item"], values=torch.tensor(ids), lengths=torch.tensor([1, 2])
+        )
         try:
             embeddings(features)
             outcome[f"checked {ids}"] = "looked up"
@@ -113,13 +124,16 @@ HTML = "<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head></html>\
 CUT = RATINGS.index("\n", len(RATINGS) // 2) - 3  # about half way, inside a timestamp: the cut line still parses
 
 
-@pytest.mark.parametrize("content, problem", [
-    (RATINGS + "7\tten\t3\t100\n" + RATINGS, "u.data, line 21: expected user, item, rating and timestamp"),
-    (RATINGS[:CUT], f"u.data ends in the middle of line {RATINGS[:CUT].count(chr(10)) + 1} "),
-    ("", "u.data is empty"),
-    (HTML, "u.data, line 1: expected user, item, rating and timestamp"),
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe\x00" * 4, "u.data, line 1: not text"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (RATINGS + "7\tten\t3\t100\n" + RATINGS, "u.data, line 21: expected user, item, rating and timestamp"),
+        (RATINGS[:CUT], f"u.data ends in the middle of line {RATINGS[:CUT].count(chr(10)) + 1} "),
+        ("", "u.data is empty"),
+        (HTML, "u.data, line 1: expected user, item, rating and timestamp"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe\x00" * 4, "u.data, line 1: not text"),
+    ],
+)
 def test_a_bad_ratings_file_is_refused_naming_file_and_line(tmp_path, content, problem):
     path = tmp_path / "u.data"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -162,8 +176,9 @@ def fake_wheel(directory: Path, inter: str = INTER) -> Path:
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("recbole/dataset_example/ml-100k/ml-100k.inter", inter)
         archive.writestr("recbole-1.2.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: recbole\nVersion: 1.2.1\n")
-        archive.writestr("recbole-1.2.1.dist-info/WHEEL",
-                         "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            "recbole-1.2.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr("recbole-1.2.1.dist-info/RECORD", "")
     return wheel
 
@@ -172,8 +187,9 @@ def hostile_sdist(directory: Path, marker: Path) -> None:
     """recbole 1.2.1 as an sdist whose build backend, run by pip to read its metadata, leaves a marker."""
     source = directory / "src" / "recbole-1.2.1"
     source.mkdir(parents=True)
-    (source / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "backend"\n'
-                                           'backend-path = ["."]\n')
+    (source / "pyproject.toml").write_text(
+        '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n'
+    )
     (source / "backend.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
     (source / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: recbole\nVersion: 1.2.1\n")
     with tarfile.open(directory / "recbole-1.2.1.tar.gz", "w:gz") as archive:

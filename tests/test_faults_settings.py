@@ -26,6 +26,7 @@ TIMEOUT_S = 0.5
 
 # ----- step_timeout: validated where it is given --------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", [0, -1, "abc", float("nan"), True])
 def test_a_bad_step_timeout_is_refused_where_it_is_given(bad):
     valid = "a positive number of seconds, or None to wait forever"
@@ -38,10 +39,12 @@ def test_a_bad_step_timeout_is_refused_where_it_is_given(bad):
 
 # ----- step_timeout: applied under every preset, legacy_none included -----------------------------------
 
+
 def _stalling_at(batch_index):
     def body(batch):
         if batch.index == batch_index:
             time.sleep(STALL_S)
+
     return body
 
 
@@ -81,6 +84,7 @@ def test_legacy_none_under_lightning_times_a_hung_training_step():
 
 
 # ----- a data loader that stalls ------------------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("no_thread_left")
 @pytest.mark.parametrize("name", ["legacy_none", "full_split_d6"])
@@ -125,8 +129,14 @@ class SlowDataModule(ToyDataModule):
 @pytest.mark.usefixtures("no_thread_left")
 def test_a_stalled_train_dataloader_is_reported_under_lightning():
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6", step_timeout=TIMEOUT_S), accelerator="cpu",
-                         devices=1, max_epochs=1, use_distributed_sampler=False, **QUIET)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6", step_timeout=TIMEOUT_S),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        **QUIET,
+    )
     with pytest.raises(LoaderTimeout) as info:
         trainer.fit(ToyRecommender(), SlowDataModule())
     message = str(info.value)
@@ -135,6 +145,7 @@ def test_a_stalled_train_dataloader_is_reported_under_lightning():
 
 
 # ----- names and resumes ---------------------------------------------------------------------------------
+
 
 def test_an_unknown_hstu_strategy_name_is_a_plan_error_listing_the_presets():
     with pytest.raises(PlanError) as info:
@@ -149,8 +160,13 @@ def test_a_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    fit(HSTUPipelineStrategy("default_d6"), max_steps=3, callbacks=[checkpoint], enable_checkpointing=True,
-        data_kwargs={"batch_size": 8})
+    fit(
+        HSTUPipelineStrategy("default_d6"),
+        max_steps=3,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+        data_kwargs={"batch_size": 8},
+    )
     with pytest.raises(CheckpointError) as info:
         fit(HSTUPipelineStrategy("default_d6"), ckpt_path=str(tmp_path / "step=3.ckpt"), data_kwargs={"batch_size": 16})
     message = str(info.value)
@@ -173,8 +189,9 @@ def test_fit_leaves_the_users_own_config_yaml_alone(tmp_path, monkeypatch):
     (tmp_path / "config.yaml").write_text(mine)
     with_a_logger = ["--trainer.logger=CSVLogger", "--trainer.logger.save_dir=."]
     for run, logger in enumerate([[], [], with_a_logger]):
-        cli = run_lightning_cli(["fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_default_d3", *logger,
-                                 *QUIET_CLI])
+        cli = run_lightning_cli(
+            ["fit", "--config", str(EXAMPLE), "--trainer.strategy=hstu_default_d3", *logger, *QUIET_CLI]
+        )
         assert cli.trainer.global_step == 16
         resolved = tmp_path / "lightning_logs" / f"version_{run}" / "config.yaml"
         assert "strategy: hstu_default_d3" in resolved.read_text()  # each run's resolved config, kept apart

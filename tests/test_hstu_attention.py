@@ -24,13 +24,15 @@ def jagged_batch(lengths, heads, attention_dim, hidden_dim, buckets, device, dty
     two, and gaps past 2^(buckets - 1) (the last bucket)."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    q, k, v = (torch.randn(n, heads, d, generator=gen).to(device, dtype).requires_grad_()
-               for d in (attention_dim, attention_dim, hidden_dim))
+    q, k, v = (
+        torch.randn(n, heads, d, generator=gen).to(device, dtype).requires_grad_()
+        for d in (attention_dim, attention_dim, hidden_dim)
+    )
     gaps = torch.randint(0, 200, (n,), generator=gen)
     gaps[::4] = 0
     gaps[1::9] = 2 ** (buckets + 2)
-    gaps[2::7] = 2 ** 6 - 1
-    gaps[3::7] = 2 ** 6 - 2
+    gaps[2::7] = 2**6 - 1
+    gaps[3::7] = 2**6 - 2
     times = torch.cumsum(gaps, 0).to(device)
     lengths = torch.tensor(lengths, device=device)
     return q, k, v, torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)), times, lengths
@@ -85,7 +87,8 @@ def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device,
     bias = bias_tables(positions, buckets, device)
     grad = torch.randn(len(q), heads, d, device=device)
     got = outputs_and_gradients(
-        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad)
+        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad
+    )
     expected = outputs_and_gradients(lambda: reference(q, k, v, lengths_t, times, bias), q, k, v, bias, grad)
     errors = relative_errors(got, expected)
     assert max(errors.values()) < 1e-5, errors
@@ -102,7 +105,7 @@ def test_the_data_reaches_the_first_and_the_last_time_bucket():
 
 
 def test_time_buckets_are_exact_at_powers_of_two():
-    gaps = torch.tensor([0, 1, 2, 3, *[2 ** e - 2 for e in range(3, 25)], *[2 ** e - 1 for e in range(3, 25)]])
+    gaps = torch.tensor([0, 1, 2, 3, *[2**e - 2 for e in range(3, 25)], *[2**e - 1 for e in range(3, 25)]])
     expected = [math.floor(math.log2(g + 1)) for g in gaps.tolist()]
     assert time_bucket(gaps, 64).tolist() == expected
     assert time_bucket(-gaps, 64).tolist() == expected  # |gap|
@@ -114,8 +117,9 @@ def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device):
     """A static token capacity: rows past offsets[-1] belong to no sequence."""
     q, k, v, offsets, times, _ = jagged_batch([7, 12], 2, 16, 16, 8, device)
     extra = 5
-    grown = [torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_()
-             for t in (q, k, v)]
+    grown = [
+        torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_() for t in (q, k, v)
+    ]
     times = torch.cat([times, torch.full((extra,), 10**6, device=device)])
     bias = bias_tables(16, 8, device)
     out = kernel.hstu_attention(*grown, offsets, times, bias.position, bias.time, 16)
@@ -134,7 +138,8 @@ def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):
     bias = bias_tables(positions, buckets, "cuda")
     grad = torch.randn(len(q), heads, d, device="cuda")
     got = outputs_and_gradients(
-        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad)
+        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len), q, k, v, bias, grad
+    )
     upcast = [t.detach().float().requires_grad_() for t in (q, k, v)]
     expected = outputs_and_gradients(lambda: reference(*upcast, lengths_t, times, bias), *upcast, bias, grad)
     errors = relative_errors(got, expected)

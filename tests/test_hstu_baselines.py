@@ -33,14 +33,16 @@ def assert_same_training(a, b, rtol=1e-5, atol=1e-6):
 
 @pytest.fixture(scope="module")
 def engine_run():
-    return fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"),
-                    model_kwargs=UNSHUFFLED)
+    return fit_hstu(
+        epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"), model_kwargs=UNSHUFFLED
+    )
 
 
 @pytest.mark.usefixtures("no_thread_left")
 def test_lightnings_own_loop_trains_the_same_steps_as_the_engine(engine_run):
-    lightning_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy(engine=False),
-                             model_kwargs=UNSHUFFLED)
+    lightning_run = fit_hstu(
+        epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy(engine=False), model_kwargs=UNSHUFFLED
+    )
     _, trainer, recorder = lightning_run
     assert recorder.records == []  # no engine step ran
     assert trainer.global_step == engine_run[1].global_step
@@ -55,8 +57,9 @@ SAMPLED = dict(UNSHUFFLED, retrieval_loss="sampled")
 
 @pytest.mark.usefixtures("no_thread_left")
 def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_path():
-    engine_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"),
-                          model_kwargs=SAMPLED)
+    engine_run = fit_hstu(
+        epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"), model_kwargs=SAMPLED
+    )
     strategy = HSTUPipelineStrategy("legacy_none", capture_graphs=True)
     assert "forward@0[graph]" in strategy.plan.describe()
     padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=SAMPLED)
@@ -74,14 +77,23 @@ def test_capture_graphs_needs_a_module_that_says_what_to_capture():
 
 def test_graphs_for_a_task_the_plan_does_not_mark_capturable_are_refused():
     graphs = {"forward": GraphedMethod(torch.nn.Linear(2, 2), "forward")}
-    with pytest.raises(EngineError, match=r"\['forward'\], which plan 'default_d6' does not mark capturable; "
-                                          r"capturable tasks: none"):
+    with pytest.raises(
+        EngineError,
+        match=r"\['forward'\], which plan 'default_d6' does not mark capturable; "
+        r"capturable tasks: none",
+    ):
         Engine(get_plan("default_d6"), NO_BODIES, graphs=graphs)
     Engine(get_plan("default_d6", capturable=("forward", "backward")), NO_BODIES, graphs=graphs)  # accepted
 
 
 def test_graph_capture_refuses_histories_longer_than_the_model_pads_to():
-    with pytest.raises(ValueError, match=r"pads histories to the model's max_seq_len \(16\), but the data "
-                                         r"module's histories reach max_seq_len=32"):
-        fit_hstu(epochs=1, strategy=HSTUPipelineStrategy("default_d6", capture_graphs=True),
-                 model_kwargs=dict(max_seq_len=16))
+    with pytest.raises(
+        ValueError,
+        match=r"pads histories to the model's max_seq_len \(16\), but the data "
+        r"module's histories reach max_seq_len=32",
+    ):
+        fit_hstu(
+            epochs=1,
+            strategy=HSTUPipelineStrategy("default_d6", capture_graphs=True),
+            model_kwargs=dict(max_seq_len=16),
+        )

@@ -16,8 +16,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "hstu_resume.py"
 
 def run(out_dir: Path, max_steps: int, *args: str, devices: int = 2) -> list[dict]:
     out_dir.mkdir()
-    result = subprocess.run([sys.executable, str(SCRIPT), str(out_dir), str(max_steps), "--devices", str(devices),
-                             *args], capture_output=True, text=True, timeout=300, cwd=out_dir, env=launch_env())
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out_dir), str(max_steps), "--devices", str(devices), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out_dir,
+        env=launch_env(),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
@@ -56,8 +62,10 @@ def test_one_rank_reads_the_checkpoint_of_two(uninterrupted, tmp_path):
         name = f"embeddings.model_parallel.embeddings.{table}.weight"
         whole = torch.cat([rank["state"]["model"][name] for rank in two_ranks])  # row-wise: rank 0 has the first rows
         assert torch.equal(one_rank["state"]["model"][name], whole), name
-    assert torch.equal(one_rank["state"]["model"]["objectives.stack.norm.weight"],
-                       two_ranks[0]["state"]["model"]["objectives.stack.norm.weight"])
+    assert torch.equal(
+        one_rank["state"]["model"]["objectives.stack.norm.weight"],
+        two_ranks[0]["state"]["model"]["objectives.stack.norm.weight"],
+    )
 
 
 def test_model_checkpoint_removes_the_older_checkpoint_directories(tmp_path):

@@ -38,17 +38,33 @@ class PrefetchCount(Callback):
                 self.skipped += r.skipped
 
 
-def train(preset, model_cls=HSTURecommender, seed=0, callbacks=(), capture_graphs=False, engine=True, steps=STEPS,
-          **model_kwargs):
+def train(
+    preset,
+    model_cls=HSTURecommender,
+    seed=0,
+    callbacks=(),
+    capture_graphs=False,
+    engine=True,
+    steps=STEPS,
+    **model_kwargs,
+):
     pl.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(False)
     model = model_cls(**{**GPU_MODEL, **model_kwargs})
     model.delay_seed = seed
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs=capture_graphs, engine=engine),
-                         accelerator="cuda", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0,
-                         callbacks=list(callbacks))
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy(preset, capture_graphs=capture_graphs, engine=engine),
+        accelerator="cuda",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
     trainer.fit(model, gpu_data())
     dense = {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}
     sparse = {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()}
@@ -97,10 +113,19 @@ def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
     model = HSTURecommender(**GPU_MODEL, cache_load_factor=0.2)
     with pytest.raises(RuntimeError, match="prefetched training batch"):
         pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cuda", devices=1,
-                             max_steps=STEPS, val_check_interval=3, limit_val_batches=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0)
+        trainer = pl.Trainer(
+            strategy=HSTUPipelineStrategy("default_d6"),
+            accelerator="cuda",
+            devices=1,
+            max_steps=STEPS,
+            val_check_interval=3,
+            limit_val_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(model, gpu_data())
 
 
@@ -142,8 +167,9 @@ def test_random_host_delays_change_nothing_with_graphs(padded_eager):
     class DelayedAndGraphed(DelayedTasks):
         pass
 
-    assert_close_weights(train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True, attention="padded"),
-                         padded_eager)
+    assert_close_weights(
+        train("full_split_d6", DelayedAndGraphed, seed=3, capture_graphs=True, attention="padded"), padded_eager
+    )
 
 
 class CapacityLog(GraphedMethod):
@@ -170,6 +196,7 @@ class FusedGraphs(HSTURecommender):
 def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(preset):
     """Jagged inputs grown to a capacity (a few per power of two): one graph per capacity seen; a batch whose
     capacity was captured replays it; the weights equal the eager run's."""
+
     class FusedEager(FusedGraphs):
         warmup = 10**9
 
@@ -212,8 +239,9 @@ def test_the_fused_attention_trains_like_the_padded_reference():
     train("default_d6", callbacks=[fused_losses], attention="fused")
     train("default_d6", callbacks=[padded_losses], attention="padded")
     # fp32 sums in another order; the temperature (0.05) scales logit differences 20x
-    torch.testing.assert_close(torch.tensor(fused_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-4,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(fused_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-4, atol=1e-5
+    )
     fused = train("default_d6", DenseSGD, attention="fused", steps=1, sparse_lr=1.0)
     padded = train("default_d6", DenseSGD, attention="padded", steps=1, sparse_lr=1.0)
     assert_close_weights(fused, padded)

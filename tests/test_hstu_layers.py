@@ -5,8 +5,16 @@ import torch
 
 from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, Padding, to_padded
 
-CONFIG = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=32,
-                    position_embedding=True, scale_inputs=True)
+CONFIG = HSTUConfig(
+    embedding_dim=16,
+    num_layers=2,
+    num_heads=2,
+    attention_dim=8,
+    hidden_dim=8,
+    max_seq_len=32,
+    position_embedding=True,
+    scale_inputs=True,
+)
 
 
 def stack():
@@ -82,11 +90,17 @@ def test_what_graph_capture_records_is_the_method_with_its_parameters_as_argumen
     torch.manual_seed(0)
     objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05)
     B, L, D, K = 3, CONFIG.max_seq_len - 1, CONFIG.embedding_dim, 4
-    inputs = (torch.randn(B, L, D, requires_grad=True), torch.randn(B, L, D, requires_grad=True),
-              torch.randn(B, D, requires_grad=True), torch.randn(B, K, D, requires_grad=True),
-              torch.cumsum(torch.randint(0, 3600, (B, L)), 1), torch.randint(0, 5, (B, L)),
-              torch.randint(1, 50, (B, L)), torch.randint(1, 50, (B, K)),
-              torch.arange(L)[None] < torch.tensor([[5], [L], [1]]))
+    inputs = (
+        torch.randn(B, L, D, requires_grad=True),
+        torch.randn(B, L, D, requires_grad=True),
+        torch.randn(B, D, requires_grad=True),
+        torch.randn(B, K, D, requires_grad=True),
+        torch.cumsum(torch.randint(0, 3600, (B, L)), 1),
+        torch.randint(0, 5, (B, L)),
+        torch.randint(1, 50, (B, L)),
+        torch.randint(1, 50, (B, K)),
+        torch.arange(L)[None] < torch.tensor([[5], [L], [1]]),
+    )
     params = tuple(p.detach().clone().requires_grad_() for p in objectives.parameters())
     call = _Call(objectives, "losses", None)
     assert list(call.parameters()) == []
@@ -136,21 +150,29 @@ def objectives_and_inputs(attention, retrieval="sampled"):
     from lightning_hstu.models.hstu import HSTUObjectives
 
     torch.manual_seed(0)
-    objectives = HSTUObjectives(CONFIG, num_actions=5, temperature=0.05, attention=attention, retrieval=retrieval,
-                                ranking_weight=0.5)
+    objectives = HSTUObjectives(
+        CONFIG, num_actions=5, temperature=0.05, attention=attention, retrieval=retrieval, ranking_weight=0.5
+    )
     for p in objectives.parameters():
         torch.nn.init.normal_(p, std=0.2)
     gen = torch.Generator().manual_seed(1)
     lengths = torch.tensor([1, CONFIG.max_seq_len - 1, 7, 0, 3])  # an empty history and a full one
     n, batch, width = int(lengths.sum()), len(lengths), CONFIG.embedding_dim
     negatives = {"sampled": (batch, 4), "full": (ITEMS + 1,), "in_batch": (0,)}[retrieval]
-    leaves = [torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen),
-              torch.randn(batch, width, generator=gen), torch.randn(*negatives, width, generator=gen)]
+    leaves = [
+        torch.randn(n, width, generator=gen),
+        torch.randn(n, width, generator=gen),
+        torch.randn(batch, width, generator=gen),
+        torch.randn(*negatives, width, generator=gen),
+    ]
     times = torch.cumsum(torch.randint(0, 5000, (n,), generator=gen), 0)
     actions = torch.randint(0, 5, (n,), generator=gen)
-    ids = dict(targets=torch.randint(1, ITEMS + 1, (n,), generator=gen),
-               negatives=(torch.arange(ITEMS + 1) if retrieval == "full"
-                          else torch.randint(1, ITEMS + 1, negatives, generator=gen)))
+    ids = dict(
+        targets=torch.randint(1, ITEMS + 1, (n,), generator=gen),
+        negatives=(
+            torch.arange(ITEMS + 1) if retrieval == "full" else torch.randint(1, ITEMS + 1, negatives, generator=gen)
+        ),
+    )
     return objectives, [t.requires_grad_() for t in leaves], times, actions, ids, lengths
 
 
@@ -166,8 +188,17 @@ def padded_losses(retrieval):
     objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("padded", retrieval)
     padding = Padding(lengths, len(times), CONFIG.max_seq_len - 1)
     events, targets, user, negatives = leaves
-    inputs = DenseInputs(padding(events), padding(targets), user, negatives, padding(times), padding(actions),
-                         padding(ids["targets"]), ids["negatives"], padding.mask)
+    inputs = DenseInputs(
+        padding(events),
+        padding(targets),
+        user,
+        negatives,
+        padding(times),
+        padding(actions),
+        padding(ids["targets"]),
+        ids["negatives"],
+        padding.mask,
+    )
     return objectives, inputs, leaves
 
 
@@ -181,8 +212,17 @@ def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows):
     jagged_objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval)
     events, targets, user, negatives = leaves
     grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
-    inputs = JaggedInputs(grow(events), grow(targets), user, negatives, grow(times), grow(actions),
-                          grow(ids["targets"]), ids["negatives"], lengths)
+    inputs = JaggedInputs(
+        grow(events),
+        grow(targets),
+        user,
+        negatives,
+        grow(times),
+        grow(actions),
+        grow(ids["targets"]),
+        ids["negatives"],
+        lengths,
+    )
     got = losses_and_gradients(jagged_objectives, inputs, leaves)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)

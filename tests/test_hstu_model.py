@@ -42,10 +42,23 @@ def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, m
     pl.seed_everything(0, verbose=False)
     recorder = Losses()
     model = model_cls(**{**SMALL_MODEL, **(model_kwargs or {})})
-    trainer = pl.Trainer(**{**dict(strategy=strategy or HSTUPipelineStrategy("full_split_d6"), accelerator="cpu",
-                                   devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                   callbacks=[recorder, *callbacks]), **trainer_kwargs})
+    trainer = pl.Trainer(
+        **{
+            **dict(
+                strategy=strategy or HSTUPipelineStrategy("full_split_d6"),
+                accelerator="cpu",
+                devices=1,
+                max_epochs=epochs,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                callbacks=[recorder, *callbacks],
+            ),
+            **trainer_kwargs,
+        }
+    )
     trainer.fit(model, small_data())
     return model, trainer, recorder
 
@@ -155,15 +168,30 @@ def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch
 def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
     env = launch_env()
     script = Path(sys.executable).parent / "lightning-hstu"
-    result = subprocess.run([str(script), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
-                             "--trainer.devices=2", "--trainer.max_steps=20", f"--trainer.default_root_dir={tmp_path}",
-                             "--trainer.callbacks+=lightning_hstu.callbacks.CollectiveInventoryCallback",
-                             "--trainer.callbacks.init_args.batch=10",
-                             "--trainer.callbacks.init_args.trace_dir=traces"],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            str(script),
+            "fit",
+            "--config",
+            str(ROOT / "examples" / "benchmark_synthetic.yaml"),
+            "--trainer.devices=2",
+            "--trainer.max_steps=20",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=lightning_hstu.callbacks.CollectiveInventoryCallback",
+            "--trainer.callbacks.init_args.batch=10",
+            "--trainer.callbacks.init_args.trace_dir=traces",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = {m.group(1): (int(m.group(2)), int(m.group(3)))
-            for m in re.finditer(r"^(\w+)\s+\w+\s+(\d+)\s+(\d+)\s", result.stdout, re.MULTILINE)}
+    rows = {
+        m.group(1): (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^(\w+)\s+\w+\s+(\d+)\s+(\d+)\s", result.stdout, re.MULTILINE)
+    }
     assert len(rows) == 14, result.stdout[-3000:]
     plan = HSTUPipelineStrategy("default_d6").plan
     for task, (runs, skipped) in rows.items():
@@ -208,10 +236,15 @@ def test_the_fused_attention_trains_like_the_padded_reference(engine):
     """HSTURecommender(attention="fused"), the jagged layout and the Triton kernel (its CPU interpreter here;
     the CUDA default), under the engine and under Lightning's own loop: the same losses, step by step, and
     the same weights as attention="padded" (fp32; the kernel sums in another order)."""
+
     def fit(attention):
-        model, _, recorder = fit_hstu(epochs=1, strategy=HSTUPipelineStrategy("default_d6", engine=engine),
-                                      model_kwargs=dict(attention=attention), limit_train_batches=4,
-                                      limit_val_batches=0)
+        model, _, recorder = fit_hstu(
+            epochs=1,
+            strategy=HSTUPipelineStrategy("default_d6", engine=engine),
+            model_kwargs=dict(attention=attention),
+            limit_train_batches=4,
+            limit_val_batches=0,
+        )
         return model, recorder.losses
 
     fused, fused_losses = fit("fused")
@@ -245,11 +278,18 @@ def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
     data.setup()
     batch = next(iter(data.train_dataloader()))
     model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users)
-    fake = {key: JaggedTensor(values=torch.zeros(len(batch.features[key].values()), 16),
-                              lengths=batch.features[key].lengths()) for key in ("item", "item_neg", "action", "user")}
+    fake = {
+        key: JaggedTensor(
+            values=torch.zeros(len(batch.features[key].values()), 16), lengths=batch.features[key].lengths()
+        )
+        for key in ("item", "item_neg", "action", "user")
+    }
     rows = data.num_items + 1
-    with pytest.raises(ValueError, match=rf"retrieval='full' scores every event against the whole item table.*"
-                                         rf"\({rows} rows\); these embeddings have 32 'item_neg' rows"):
+    with pytest.raises(
+        ValueError,
+        match=rf"retrieval='full' scores every event against the whole item table.*"
+        rf"\({rows} rows\); these embeddings have 32 'item_neg' rows",
+    ):
         model.objectives(batch, fake)  # 8 histories x 4 sampled negatives
 
 
@@ -259,9 +299,14 @@ def test_the_logger_gets_every_training_metric_at_its_interval(engine, tmp_path)
     costs host time): the logger's rows are those of a module that logs everything at every step."""
     from lightning.pytorch.loggers import CSVLogger
 
-    _, trainer, recorder = fit_hstu(strategy=HSTUPipelineStrategy("default_d6", engine=engine), epochs=1, max_steps=7,
-                                    limit_val_batches=0, log_every_n_steps=3,
-                                    logger=CSVLogger(tmp_path, name="", version=0))
+    _, trainer, recorder = fit_hstu(
+        strategy=HSTUPipelineStrategy("default_d6", engine=engine),
+        epochs=1,
+        max_steps=7,
+        limit_val_batches=0,
+        log_every_n_steps=3,
+        logger=CSVLogger(tmp_path, name="", version=0),
+    )
     # what callbacks and the progress bar see after the fit is the last logged step's loss (step 5, not 6)
     assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(recorder.losses[5], rel=1e-6)
     assert recorder.losses[5] != recorder.losses[6]

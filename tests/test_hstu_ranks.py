@@ -18,8 +18,14 @@ STEPS = 100
 
 def run(preset, out_dir, *args):
     out_dir.mkdir()
-    return subprocess.run([sys.executable, str(SCRIPT), preset, str(out_dir), str(STEPS), *args],
-                          capture_output=True, text=True, timeout=300, cwd=out_dir, env=launch_env())
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), preset, str(out_dir), str(STEPS), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out_dir,
+        env=launch_env(),
+    )
 
 
 @pytest.mark.parametrize("preset", ["legacy_none", "per_task_d3", "full_split_d6"])

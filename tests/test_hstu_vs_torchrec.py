@@ -43,8 +43,9 @@ def _compare(rank, world):
     batches = list(data.train_dataloader())[rank::world][:STEPS]  # the same order on every rank: seeded
     torch.manual_seed(0)
     # sampled: TorchRec's pipeline looks up the batch's own features (no item table under item_neg)
-    model = HSTURecommender(**SMALL_MODEL, num_items=data.num_items, num_users=data.num_users, num_actions=5,
-                            retrieval_loss="sampled")
+    model = HSTURecommender(
+        **SMALL_MODEL, num_items=data.num_items, num_users=data.num_users, num_actions=5, retrieval_loss="sampled"
+    )
     tables = embedding_tables(SMALL_MODEL["embedding_dim"], data.num_items, data.num_users, 5)
     model.embeddings = ShardedEmbeddings(tables, torch.device("cpu"), optimizer_kwargs={"lr": 0.1})
     model.dense_grads = MegatronDenseGrads(model.objectives)

@@ -11,9 +11,15 @@ SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").ex
 
 
 def test_each_subpackage_imports_alone_in_a_fresh_interpreter():
-    processes = {name: subprocess.Popen([sys.executable, "-c", f"import lightning_hstu.{name}"],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name in SUBPACKAGES}
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", f"import lightning_hstu.{name}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in SUBPACKAGES
+    }
     failed = {}
     for name, process in processes.items():
         _, stderr = process.communicate(timeout=300)
@@ -29,9 +35,12 @@ def imports_between_subpackages() -> dict[str, set[str]]:
         parts = path.relative_to(PACKAGE).parts
         owner = parts[0] if len(parts) > 1 else path.stem
         tree = ast.parse(path.read_text())
-        type_checking = {id(node) for block in ast.walk(tree)
-                         if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-                         for node in ast.walk(block)}
+        type_checking = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for node in ast.walk(block)
+        }
         for node in ast.walk(tree):
             if id(node) in type_checking or not isinstance(node, ast.ImportFrom):
                 continue
@@ -39,7 +48,7 @@ def imports_between_subpackages() -> dict[str, set[str]]:
                 module = (node.module or "").split(".")
                 targets = [module[1]] if module[0] == "lightning_hstu" and len(module) > 1 else []
             else:
-                base = list(parts[:-1])[:len(parts) - node.level]  # the package the dots name
+                base = list(parts[:-1])[: len(parts) - node.level]  # the package the dots name
                 names = base + (node.module.split(".") if node.module else [])
                 targets = [names[0]] if names else [alias.name for alias in node.names]
             graph.setdefault(owner, set()).update(t for t in targets if t != owner and t != "__init__")
@@ -53,7 +62,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = "open"
         for target in sorted(graph.get(node, ())):
             if state.get(target) == "open":
-                return path[path.index(target):] + [target] if target in path else [node, target]
+                return path[path.index(target) :] + [target] if target in path else [node, target]
             if target not in state and (cycle := visit(target, path + [target])):
                 return cycle
         state[node] = "done"

@@ -12,8 +12,10 @@ from lightning_hstu.loops import _lightning_compat as compat
 
 
 def test_the_mirrored_lightning_functions_are_those_the_loops_were_written_against():
-    assert compat.changed() == {}, ("Lightning changed functions lightning_hstu/loops follows: read them against "
-                                    "loops/ and update loops/_lightning_compat.py")
+    assert compat.changed() == {}, (
+        "Lightning changed functions lightning_hstu/loops follows: read them against "
+        "loops/ and update loops/_lightning_compat.py"
+    )
 
 
 def test_a_changed_function_is_named(monkeypatch):
@@ -28,8 +30,11 @@ def test_a_changed_function_is_named(monkeypatch):
 @pytest.mark.parametrize("version", ["2.5.9", "2.7.0", "3.0.0"])
 def test_a_lightning_outside_the_tested_releases_is_refused_with_the_range(monkeypatch, version):
     monkeypatch.setattr(lightning, "__version__", version)
-    with pytest.raises(ImportError, match=rf"Lightning {re.escape(version)} is installed: install a release in "
-                                          r"that range \(pip install 'lightning>=2\.6,<2\.7'\)"):
+    with pytest.raises(
+        ImportError,
+        match=rf"Lightning {re.escape(version)} is installed: install a release in "
+        r"that range \(pip install 'lightning>=2\.6,<2\.7'\)",
+    ):
         compat.check_version()
 
 

@@ -37,9 +37,24 @@ def test_unknown_dataset_and_missing_folder_are_named(tmp_path):
 
 
 def test_leave_two_out_validates_on_the_second_to_last_item_and_tests_on_the_last(tmp_path):
-    (tmp_path / "u.data").write_text("".join(f"{u}\t{i}\t4\t{t}\n" for u, i, t in [
-        (1, 1, 1), (1, 2, 2), (1, 3, 3), (1, 4, 4), (2, 1, 1), (2, 2, 2), (2, 1, 3), (2, 3, 4), (3, 5, 1), (3, 1, 2),
-        (3, 2, 3)]))
+    (tmp_path / "u.data").write_text(
+        "".join(
+            f"{u}\t{i}\t4\t{t}\n"
+            for u, i, t in [
+                (1, 1, 1),
+                (1, 2, 2),
+                (1, 3, 3),
+                (1, 4, 4),
+                (2, 1, 1),
+                (2, 2, 2),
+                (2, 1, 3),
+                (2, 3, 4),
+                (3, 5, 1),
+                (3, 1, 2),
+                (3, 2, 3),
+            ]
+        )
+    )
     histories = histories_from(read_ratings("ml-100k", str(tmp_path)))
     split = leave_two_out(histories, max_len=10)
     assert [h.items for h in split.train] == [(1, 2), (1, 2)]  # user 3 has too short a history
@@ -61,6 +76,6 @@ def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
     first, second = list(sampler), list(sampler)
     assert sorted(first) == list(range(100)) and sorted(second) == list(range(100))
     assert first != second  # a new order every epoch
-    batches = [first[i:i + 10] for i in range(0, 100, 10)]
+    batches = [first[i : i + 10] for i in range(0, 100, 10)]
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     assert spread < 60  # sorted pools of 50: about 40; a random batch of 10 spans about 160 of the 198 lengths

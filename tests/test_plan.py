@@ -6,28 +6,73 @@ from lightning_hstu import PRESET_NAMES, PlanError, Stream, get_plan, make_plan
 from lightning_hstu.hstu.presets import resolve_plan
 from lightning_hstu.hstu.tasks import GRAPH_TASKS, HSTU_TASK_NAMES
 
-D3 = {"h2d": 2, "start_shuffle": 2, "finish_shuffle": 2, "start_input_dist": 1, "wait_input_dist": 1,
-      "prefetch_embeddings": 1}
-D6 = {"h2d": 5, "start_shuffle": 4, "finish_shuffle": 3, "start_input_dist": 3, "wait_input_dist": 2,
-      "prefetch_embeddings": 1}
-STREAMS = {"h2d": "memcpy", "start_shuffle": "memcpy", "finish_shuffle": "memcpy",
-           "start_input_dist": "data_dist", "wait_input_dist": "data_dist", "prefetch_embeddings": "prefetch",
-           "zero_grad": "default", "global_tokens_allreduce": "default", "compute_output_dist": "default",
-           "forward": "default", "backward": "default", "finalize_model_grads": "default",
-           "optimizer_step": "default", "watchdog": "default"}
-THREAD_COUNTS = {"legacy_none": 1, "default_d3": 2, "by_stream_d3": 4, "per_task_d3": 14,
-                 "io_prefetch_compute_d3": 3, "io_data_dist_compute_d3": 3, "full_split_d3": 4,
-                 "default_d6": 2, "full_split_d6": 4}
+D3 = {
+    "h2d": 2,
+    "start_shuffle": 2,
+    "finish_shuffle": 2,
+    "start_input_dist": 1,
+    "wait_input_dist": 1,
+    "prefetch_embeddings": 1,
+}
+D6 = {
+    "h2d": 5,
+    "start_shuffle": 4,
+    "finish_shuffle": 3,
+    "start_input_dist": 3,
+    "wait_input_dist": 2,
+    "prefetch_embeddings": 1,
+}
+STREAMS = {
+    "h2d": "memcpy",
+    "start_shuffle": "memcpy",
+    "finish_shuffle": "memcpy",
+    "start_input_dist": "data_dist",
+    "wait_input_dist": "data_dist",
+    "prefetch_embeddings": "prefetch",
+    "zero_grad": "default",
+    "global_tokens_allreduce": "default",
+    "compute_output_dist": "default",
+    "forward": "default",
+    "backward": "default",
+    "finalize_model_grads": "default",
+    "optimizer_step": "default",
+    "watchdog": "default",
+}
+THREAD_COUNTS = {
+    "legacy_none": 1,
+    "default_d3": 2,
+    "by_stream_d3": 4,
+    "per_task_d3": 14,
+    "io_prefetch_compute_d3": 3,
+    "io_data_dist_compute_d3": 3,
+    "full_split_d3": 4,
+    "default_d6": 2,
+    "full_split_d6": 4,
+}
 IO = ("h2d", "start_shuffle", "finish_shuffle")
-LA0_CHAIN = [("zero_grad", "backward"), ("global_tokens_allreduce", "forward"),
-             ("compute_output_dist", "forward"), ("forward", "backward"), ("backward", "finalize_model_grads"),
-             ("finalize_model_grads", "optimizer_step"), ("optimizer_step", "watchdog")]
+LA0_CHAIN = [
+    ("zero_grad", "backward"),
+    ("global_tokens_allreduce", "forward"),
+    ("compute_output_dist", "forward"),
+    ("forward", "backward"),
+    ("backward", "finalize_model_grads"),
+    ("finalize_model_grads", "optimizer_step"),
+    ("optimizer_step", "watchdog"),
+]
 
 
 def test_preset_names_in_spec_order():
-    assert PRESET_NAMES == ("legacy_none", "default_d3", "by_stream_d3", "per_task_d3",
-                            "io_prefetch_compute_d3", "io_data_dist_compute_d3", "full_split_d3",
-                            "default_d6", "full_split_d6")
+    assert PRESET_NAMES == (
+        "legacy_none",
+        "default_d3",
+        "by_stream_d3",
+        "per_task_d3",
+        "io_prefetch_compute_d3",
+        "io_data_dist_compute_d3",
+        "full_split_d3",
+        "default_d6",
+        "full_split_d6",
+    )
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -69,7 +114,10 @@ def test_thread_groups_of_the_presets():
     assert get_plan("io_data_dist_compute_d3").threads["data_dist"] == ("start_input_dist", "wait_input_dist")
     full = get_plan("full_split_d6").threads
     assert (full["io"], full["data_dist"], full["prefetch"]) == (
-        IO, ("start_input_dist", "wait_input_dist"), ("prefetch_embeddings",))
+        IO,
+        ("start_input_dist", "wait_input_dist"),
+        ("prefetch_embeddings",),
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n.endswith("d3")])
@@ -77,9 +125,11 @@ def test_d3_has_no_wait_from_io_to_other_threads(name):
     plan = get_plan(name)
     assert ("finish_shuffle", "start_input_dist") not in plan.wait_edges
     io_thread = plan.task("finish_shuffle").thread
-    leaving_io = [(p, c) for p, c in plan.wait_edges
-                  if plan.task(p).thread == io_thread and plan.task(c).thread != io_thread
-                  and c not in IO]
+    leaving_io = [
+        (p, c)
+        for p, c in plan.wait_edges
+        if plan.task(p).thread == io_thread and plan.task(c).thread != io_thread and c not in IO
+    ]
     assert leaving_io == []
 
 
@@ -113,8 +163,15 @@ def test_prefetch_on_the_compute_thread_needs_no_wait():
 
 def test_ticket_order_lists_the_collective_tasks_in_plan_order():
     assert get_plan("default_d6").ticket_order == (
-        "start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist", "global_tokens_allreduce",
-        "compute_output_dist", "backward", "finalize_model_grads")
+        "start_shuffle",
+        "finish_shuffle",
+        "start_input_dist",
+        "wait_input_dist",
+        "global_tokens_allreduce",
+        "compute_output_dist",
+        "backward",
+        "finalize_model_grads",
+    )
 
 
 def test_custom_cascade_and_thread_map():
@@ -143,10 +200,8 @@ def test_a_preset_without_changes_resolves_to_the_preset(name):
 
 
 def test_changes_to_a_preset_replace_only_their_part():
-    assert (resolve_plan("full_split_d6", cascade="d3").describe()
-            == make_plan("d3", "full_split").describe())
-    assert (resolve_plan("full_split_d3", thread_map="per_task").describe()
-            == make_plan("d3", "per_task").describe())
+    assert resolve_plan("full_split_d6", cascade="d3").describe() == make_plan("d3", "full_split").describe()
+    assert resolve_plan("full_split_d3", thread_map="per_task").describe() == make_plan("d3", "per_task").describe()
     legacy = resolve_plan("default_d6", thread_map="none")
     assert legacy.legacy and legacy.cascade == "d6" and legacy.name == "custom"
     assert dict(legacy.threads) == {"main": HSTU_TASK_NAMES}

@@ -36,9 +36,17 @@ class WeightsAtValidation(Callback):
 
 def fit_and_test(tmp_path, model, report, epochs=3, extra=()):
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=CSVLogger(tmp_path),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[report, *extra])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[report, *extra],
+    )
     data = small_data(negatives=0)
     trainer.fit(model, data)
     trainer.test(model, datamodule=data, verbose=False)
@@ -62,14 +70,13 @@ def test_the_report_sets_runs_of_the_same_data_side_by_side(tmp_path, capsys):
     assert saved["model"] == "SASRec-a" and set(saved["metrics"]) == set(RANKINGS)
     assert set(saved["metrics"]["all"]) == set(METRICS)
     capsys.readouterr()
-    second = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(), epochs=1,
-                          extra=[FitSummary()])
+    second = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(), epochs=1, extra=[FitSummary()])
     out = capsys.readouterr().out
     full_batches = len(second.datamodule.train_histories) // 8 * 8
     assert f"trained {full_batches} samples in 1 epochs" in out  # every full batch of 8
-    report = out[out.index("test ("):]
+    report = out[out.index("test (") :]
     for label in RANKINGS.values():
-        block = report[report.index(label):]
+        block = report[report.index(label) :]
         rows = [line.split()[0] for line in block.splitlines()[2:5]]
         assert rows == ["SASRec", "SASRec-a", "most"], block  # this run, the earlier one, the baseline
     assert report.count("version_0") == 2  # the earlier run's directory, named in each block

@@ -15,14 +15,15 @@ from lightning_hstu.hstu.shuffler import BalancedShuffler
 def make_batch(users, max_len=64, seed=0):
     """Histories with zipf(1.2) lengths; item ids encode (user, position) so any mix-up shows."""
     rng = random.Random(seed)
-    weights = [1 / k ** 1.2 for k in range(1, max_len + 1)]
+    weights = [1 / k**1.2 for k in range(1, max_len + 1)]
     lengths = rng.choices(range(1, max_len + 1), weights=weights, k=len(users))
     items = [u * 1000 + p for u, n in zip(users, lengths) for p in range(n)]
     actions = [(u + p) % 5 for u, n in zip(users, lengths) for p in range(n)]
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["item", "action", "user"],
         values=torch.tensor(items + actions + list(users)),
-        lengths=torch.tensor(lengths + lengths + [1] * len(users)))
+        lengths=torch.tensor(lengths + lengths + [1] * len(users)),
+    )
     return HSTUBatch(kjt)
 
 
@@ -47,8 +48,12 @@ def _shuffle_once(rank, world):
     batch = make_batch(range(rank * 16, (rank + 1) * 16), seed=rank)
     shuffler = BalancedShuffler(local_batch_size=16)
     shuffled = shuffler.finish(shuffler.start(batch))
-    return {"size": shuffled.size, "histories": histories(shuffled), "before": histories(batch),
-            "balance": (shuffler.last_balance.before, shuffler.last_balance.after)}
+    return {
+        "size": shuffled.size,
+        "histories": histories(shuffled),
+        "before": histories(batch),
+        "balance": (shuffler.last_balance.before, shuffler.last_balance.after),
+    }
 
 
 def test_two_ranks_get_every_sample_exactly_once_with_a_better_balance(tmp_path):
@@ -81,5 +86,7 @@ def _short_batch(rank, world):
 
 def test_a_batch_of_the_wrong_size_is_named_before_any_collective(tmp_path):
     for message in run_on_ranks(_short_batch, tmp_path):
-        assert message == ("balanced shuffling needs batches of local_batch_size=16 samples on every rank, "
-                           "got 15 (use drop_last=True, or disable it)")
+        assert message == (
+            "balanced shuffling needs batches of local_batch_size=16 samples on every rank, "
+            "got 15 (use drop_last=True, or disable it)"
+        )

@@ -38,8 +38,13 @@ class HookRecorder(Callback):
         self.threads.add(threading.current_thread().name)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.events.append(("before_optimizer_step", trainer.global_step,
-                            float(sum(p.grad.norm() ** 2 for p in pl_module.parameters())) ** 0.5))
+        self.events.append(
+            (
+                "before_optimizer_step",
+                trainer.global_step,
+                float(sum(p.grad.norm() ** 2 for p in pl_module.parameters())) ** 0.5,
+            )
+        )
 
     def on_validation_end(self, trainer, pl_module):
         self.events.append(("validation", trainer.global_step, float(trainer.callback_metrics["val_loss"])))
@@ -51,8 +56,9 @@ class AutocastProbe(ToyRecommender):
         return super().training_step(batch, batch_idx)
 
 
-FEATURES = dict(gradient_clip_val=0.05, precision="bf16-mixed", val_check_interval=0.5, max_epochs=3,
-                log_every_n_steps=2)
+FEATURES = dict(
+    gradient_clip_val=0.05, precision="bf16-mixed", val_check_interval=0.5, max_epochs=3, log_every_n_steps=2
+)
 
 
 def run_with_features(strategy, tmp_path):
@@ -60,8 +66,15 @@ def run_with_features(strategy, tmp_path):
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=0.02)
     logger = CSVLogger(tmp_path, name="logs", version=0)
-    model, trainer = fit(strategy, model_cls=AutocastProbe, model_kwargs={"lr_step_size": 5}, logger=logger,
-                         enable_checkpointing=True, callbacks=[recorder, checkpoints, stopper], **FEATURES)
+    model, trainer = fit(
+        strategy,
+        model_cls=AutocastProbe,
+        model_kwargs={"lr_step_size": 5},
+        logger=logger,
+        enable_checkpointing=True,
+        callbacks=[recorder, checkpoints, stopper],
+        **FEATURES,
+    )
     metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     return model, trainer, recorder, metrics, saved
@@ -96,11 +109,11 @@ def test_bad_configuration_fails_when_the_strategy_is_made():
     with pytest.raises(PlanError, match="unknown preset 'default_d7'; valid presets: legacy_none"):
         HSTUPipelineStrategy("default_d7")
     with pytest.raises(PlanError, match="thread_map misses task 'watchdog'"):
-        HSTUPipelineStrategy("default_d3", thread_map={t: "one" for t in
-                                                       ToyThreadMap.ALL if t != "watchdog"})
+        HSTUPipelineStrategy("default_d3", thread_map={t: "one" for t in ToyThreadMap.ALL if t != "watchdog"})
     with pytest.raises(PlanError, match="consumer 'start_input_dist' .* producer 'finish_shuffle'"):
-        HSTUPipelineStrategy("default_d6", lookahead={"h2d": 2, "start_shuffle": 2, "finish_shuffle": 1,
-                                                      "start_input_dist": 2})
+        HSTUPipelineStrategy(
+            "default_d6", lookahead={"h2d": 2, "start_shuffle": 2, "finish_shuffle": 1, "start_input_dist": 2}
+        )
     with pytest.raises(PlanError, match="finish_shuffle at lookahead >= 1"):
         HSTUPipelineStrategy("default_d3", lookahead={})
 
@@ -110,8 +123,9 @@ class ToyThreadMap:
 
 
 def test_a_custom_thread_map_and_lookahead_train_like_the_default(tmp_path):
-    thread_map = {t: ("loader" if t in ("h2d", "start_shuffle", "finish_shuffle") else "trainer")
-                  for t in ToyThreadMap.ALL}
+    thread_map = {
+        t: ("loader" if t in ("h2d", "start_shuffle", "finish_shuffle") else "trainer") for t in ToyThreadMap.ALL
+    }
     lookahead = {"h2d": 4, "start_shuffle": 3, "finish_shuffle": 3, "start_input_dist": 1, "wait_input_dist": 1}
     model, _ = fit(HSTUPipelineStrategy("default_d3", thread_map=thread_map, lookahead=lookahead))
     expected, _ = fit("auto")
@@ -182,9 +196,17 @@ def test_task_records_show_what_a_plain_module_skips():
         runs.setdefault(record.task, []).append(record)
     assert {task: len(r) for task, r in runs.items()} == {task: 12 for task in ToyThreadMap.ALL}
     skipped = {task for task, r in runs.items() if all(x.skipped for x in r)}
-    assert skipped == {"start_shuffle", "finish_shuffle", "start_input_dist", "wait_input_dist",
-                       "prefetch_embeddings", "global_tokens_allreduce", "compute_output_dist",
-                       "finalize_model_grads", "watchdog"}
+    assert skipped == {
+        "start_shuffle",
+        "finish_shuffle",
+        "start_input_dist",
+        "wait_input_dist",
+        "prefetch_embeddings",
+        "global_tokens_allreduce",
+        "compute_output_dist",
+        "finalize_model_grads",
+        "watchdog",
+    }
     assert sorted(r.batch for r in runs["forward"]) == list(range(12))
 
 

@@ -16,8 +16,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 def fit_two_ranks(strategy, out_dir, data="even"):
     out_dir.mkdir()
     env = launch_env()
-    result = subprocess.run([sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data],
-                            capture_output=True, text=True, timeout=300, cwd=out_dir, env=env)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out_dir,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out_dir / f"{strategy}.rank{r}.pt", weights_only=False) for r in (0, 1)]
 

@@ -22,11 +22,18 @@ LOADERS = {
 
 def interrupted_run(preset, tmp_path, at_step, data, trainer_kwargs):
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=at_step, save_top_k=-1, filename="{step}")
-    first, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, max_steps=at_step,
-                         enable_checkpointing=True, callbacks=[saver], **trainer_kwargs)
+    first, trainer = fit(
+        HSTUPipelineStrategy(preset),
+        data_kwargs=data,
+        max_steps=at_step,
+        enable_checkpointing=True,
+        callbacks=[saver],
+        **trainer_kwargs,
+    )
     assert trainer.global_step == at_step
-    resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / f"step={at_step}.ckpt",
-                           **trainer_kwargs)
+    resumed, trainer = fit(
+        HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / f"step={at_step}.ckpt", **trainer_kwargs
+    )
     assert trainer.global_step == 24  # 2 epochs of 12 batches
     return first, resumed
 

@@ -63,8 +63,10 @@ def _fbgemm_has_cuda_kernels() -> bool:
 
 
 MISSING = missing_for_two_gpus() if GPU else []
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}; {BACKEND_VARIABLE}=gloo runs "
-                                                      f"these checks on two CPU processes instead")
+pytestmark = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"needs {', '.join(MISSING)}; {BACKEND_VARIABLE}=gloo runs these checks on two CPU processes instead",
+)
 gpu_only = pytest.mark.skipif(not GPU, reason=f"needs the GPUs ({BACKEND_VARIABLE}=gloo runs on CPU processes)")
 
 GPU_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
@@ -84,8 +86,10 @@ class Launch:
     def __getitem__(self, name: str) -> list[dict]:
         paths = [self.out / f"{name}.rank{rank}.pt" for rank in (0, 1)]
         if not all(p.is_file() for p in paths):
-            pytest.fail(f"{name}: no result from every rank; the launch ended with exit code "
-                        f"{self.result.returncode}:\n{self.result.stderr[-4000:]}")
+            pytest.fail(
+                f"{name}: no result from every rank; the launch ended with exit code "
+                f"{self.result.returncode}:\n{self.result.stderr[-4000:]}"
+            )
         return [torch.load(p, weights_only=False) for p in paths]
 
 
@@ -108,8 +112,12 @@ def assert_same(got: dict, expected: dict) -> None:
 
 def training_differences(got: list[dict], expected: list[dict]) -> list[str]:
     """Rank by rank, the dense weights and the table shards of two HSTU runs that differ."""
-    return [f"rank {rank} {part} {name}" for rank, (g, e) in enumerate(zip(got, expected))
-            for part in ("dense", "sparse") for name in differences(g[part], e[part])]
+    return [
+        f"rank {rank} {part} {name}"
+        for rank, (g, e) in enumerate(zip(got, expected))
+        for part in ("dense", "sparse")
+        for name in differences(g[part], e[part])
+    ]
 
 
 def assert_replicas_equal(ranks: list[dict], key: str) -> None:
@@ -180,17 +188,20 @@ def test_without_the_event_waits_the_delayed_runs_differ(preset, hstu_runs):
     event read unfinished ids, and the weights show it."""
     legacy = hstu_runs["legacy_none"]
     assert_trains_like(hstu_runs[f"{preset}+delays"], legacy)
-    assert training_differences(hstu_runs[f"{preset}+delays+nowaits"], legacy), \
+    assert training_differences(hstu_runs[f"{preset}+delays+nowaits"], legacy), (
         "without the event waits the delayed runs still equal legacy_none's: the delays expose no missing wait"
+    )
 
 
 # ----- 2. an ordinary LightningModule, Lightning's own DDP ---------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def toy_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy")
-    return Launch("fit_two_ranks.py", out, out, "ddp", *[f"hstu_{p}" for p in PRESET_NAMES],
-                  "--accelerator", ACCELERATOR)
+    return Launch(
+        "fit_two_ranks.py", out, out, "ddp", *[f"hstu_{p}" for p in PRESET_NAMES], "--accelerator", ACCELERATOR
+    )
 
 
 @pytest.mark.parametrize("preset", PRESET_NAMES)
@@ -259,14 +270,16 @@ def test_every_nccl_collective_is_recorded_with_its_process_group_and_stream(inv
 
 
 def test_a_rank_that_launches_one_collective_more_is_reported(tmp_path):
-    launch = Launch("hstu_ranks.py", tmp_path, "default_d6", tmp_path, INVENTORY_STEPS, "--mismatch",
-                    "--accelerator", ACCELERATOR)
+    launch = Launch(
+        "hstu_ranks.py", tmp_path, "default_d6", tmp_path, INVENTORY_STEPS, "--mismatch", "--accelerator", ACCELERATOR
+    )
     assert launch.result.returncode != 0
     assert "collectives differ between ranks" in launch.result.stderr
     assert "rank 1 ('finish_shuffle'" in launch.result.stderr and "'allreduce')" in launch.result.stderr
 
 
 # ----- 4. sharded checkpoints ------------------------------------------------------------------------------
+
 
 def resume_run(out: Path, *args, devices: int = 2) -> list[dict]:
     launch = Launch("hstu_resume.py", out, out, STEPS, "--devices", devices, "--accelerator", ACCELERATOR, *args)
@@ -313,9 +326,11 @@ def test_the_checkpoint_of_two_ranks_loads_on_one(uninterrupted, tmp_path):
 
 # ----- 5. uneven data --------------------------------------------------------------------------------------
 
+
 def test_a_rank_with_fewer_batches_ends_the_epoch_for_both(tmp_path):
-    ranks = Launch("fit_two_ranks.py", tmp_path, tmp_path, "hstu_full_split_d6", "--data", "uneven",
-                   "--accelerator", ACCELERATOR)["hstu_full_split_d6"]
+    ranks = Launch(
+        "fit_two_ranks.py", tmp_path, tmp_path, "hstu_full_split_d6", "--data", "uneven", "--accelerator", ACCELERATOR
+    )["hstu_full_split_d6"]
     for rank in ranks:
         assert rank["global_step"] == 2 * 6  # both stop at rank 1's 6 batches, each epoch
         assert [idx for idx, _ in rank["seen"]] == list(range(6)) * 2

@@ -49,12 +49,16 @@ def test_a_hung_collective_task_is_listed_among_the_collectives_in_flight():
     plan = get_plan("per_task_d3")
     bodies = TracingWorkload(plan).bodies()
     bodies["global_tokens_allreduce"] = lambda batch, normal=bodies["global_tokens_allreduce"]: (
-        time.sleep(STALL_S) if batch.index == 2 else None, normal(batch))
+        time.sleep(STALL_S) if batch.index == 2 else None,
+        normal(batch),
+    )
     engine = Engine(plan, bodies, step_timeout=TIMEOUT_S).start()
     with pytest.raises(StepTimeout) as info:
         engine.run(range(6))
-    assert info.value.collectives == ["engine: task 'global_tokens_allreduce' on batch 2 (thread "
-                                      "'global_tokens_allreduce') launches collectives and has not returned"]
+    assert info.value.collectives == [
+        "engine: task 'global_tokens_allreduce' on batch 2 (thread "
+        "'global_tokens_allreduce') launches collectives and has not returned"
+    ]
     assert "collectives this process issued that have not completed:" in str(info.value)
 
 
@@ -67,8 +71,12 @@ class SlowCheckpointIO(TorchCheckpointIO):
 @pytest.mark.usefixtures("no_thread_left")
 def test_writing_a_checkpoint_is_not_timed_but_the_end_of_a_batch_is(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    _, trainer = fit(HSTUPipelineStrategy("default_d6", step_timeout=TIMEOUT_S, checkpoint_io=SlowCheckpointIO()),
-                     max_steps=4, callbacks=[checkpoint], enable_checkpointing=True)
+    _, trainer = fit(
+        HSTUPipelineStrategy("default_d6", step_timeout=TIMEOUT_S, checkpoint_io=SlowCheckpointIO()),
+        max_steps=4,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
     assert trainer.global_step == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt", "step=4.ckpt"]
 
@@ -87,4 +95,6 @@ def test_the_process_groups_time_out_after_the_step_timeout_unless_told():
     assert HSTUPipelineStrategy(step_timeout=20).process_group_timeout == datetime.timedelta(seconds=2 * 20 + 60)
     told = datetime.timedelta(minutes=45)
     assert HSTUPipelineStrategy(step_timeout=20, timeout=told).process_group_timeout == told
-    assert HSTUPipelineStrategy(step_timeout=None).process_group_timeout == datetime.timedelta(minutes=30)  # Lightning's
+    assert HSTUPipelineStrategy(step_timeout=None).process_group_timeout == datetime.timedelta(
+        minutes=30
+    )  # Lightning's

@@ -41,16 +41,23 @@ def run_with_rank_1_hung(scenario: str, out_dir: Path, accelerator: str = "cpu")
     out_dir.mkdir()
     pids = [out_dir / f"rank{rank}.pid" for rank in (0, 1)]
     with open(out_dir / "launch.log", "w") as launch_log:
-        rank0 = subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(out_dir), str(STEP_TIMEOUT), accelerator],
-                                 stdout=launch_log, stderr=subprocess.STDOUT, cwd=out_dir, env=launch_env())
+        rank0 = subprocess.Popen(
+            [sys.executable, str(SCRIPT), scenario, str(out_dir), str(STEP_TIMEOUT), accelerator],
+            stdout=launch_log,
+            stderr=subprocess.STDOUT,
+            cwd=out_dir,
+            env=launch_env(),
+        )
     try:
         returncode = rank0.wait(timeout=240)
         rank1 = int(pids[1].read_text())
         deadline = time.monotonic() + 5  # a SIGKILL takes effect soon, not at once
         while not ended(rank1) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ended(rank1), (f"rank 1 is still running after rank 0 ended (exit code {returncode}); rank 0's "
-                              f"log ends with:\n{(out_dir / 'rank0.log').read_text()[-3000:]}")
+        assert ended(rank1), (
+            f"rank 1 is still running after rank 0 ended (exit code {returncode}); rank 0's "
+            f"log ends with:\n{(out_dir / 'rank0.log').read_text()[-3000:]}"
+        )
         hang_to_end = time.time() - float((out_dir / "hung_at").read_text())
     finally:
         if rank0.poll() is None:
@@ -105,8 +112,9 @@ def test_a_rank_stopped_in_its_loader_is_reported_in_the_per_batch_agreement(tmp
     assert_ended_in_time(run)
     assert run.returncode == WATCHDOG_EXIT_CODE
     report = run.logs[0]
-    assert ("LoaderTimeout: rank 0: the data loader (train dataloader (DataLoader of Batches)) gave no batch "
-            "within 5 s") in report
+    assert (
+        "LoaderTimeout: rank 0: the data loader (train dataloader (DataLoader of Batches)) gave no batch within 5 s"
+    ) in report
     assert "thread 'loader': pulling batch" in report
     assert "in all_ranks" in report  # the agreement is where the pull waits
     assert "flight recorder: gloo:all_reduce" in report and "(hstu_rank_agreement)" in report
@@ -118,8 +126,9 @@ def test_a_loader_that_never_returns_is_reported_by_its_own_rank_and_the_other(t
     run = run_with_rank_1_hung("loader", tmp_path / "out")
     assert_ended_in_time(run)
     stuck, waiting = run.logs[1], run.logs[0]
-    assert ("LoaderTimeout: rank 1: the data loader (train dataloader (DataLoader of Batches)) gave no batch "
-            "within 5 s") in stuck
+    assert (
+        "LoaderTimeout: rank 1: the data loader (train dataloader (DataLoader of Batches)) gave no batch within 5 s"
+    ) in stuck
     assert "in __iter__" in stuck and "threading.Event().wait()" in stuck  # where the loader hangs
     assert "collectives this rank issued that have not completed: none" in stuck
     assert f"rank 1: ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})" in stuck
@@ -132,8 +141,10 @@ def test_a_caller_stuck_in_a_collective_is_reported_by_the_watchdog_which_ends_t
     assert_ended_in_time(run)
     assert run.returncode == WATCHDOG_EXIT_CODE
     report = run.logs[0]
-    assert ("CallerTimeout: rank 0: the caller's thread did not return from before_step(6) "
-            "(EngineEpochLoop._before_step) within 5 s (step 6)") in report
+    assert (
+        "CallerTimeout: rank 0: the caller's thread did not return from before_step(6) "
+        "(EngineEpochLoop._before_step) within 5 s (step 6)"
+    ) in report
     assert "in on_train_batch_start" in report and "dist.all_reduce(torch.ones(1, device=self.device))" in report
     assert "flight recorder: gloo:all_reduce" in report and "(default_pg)" in report
     assert "by thread 'MainThread'" in report

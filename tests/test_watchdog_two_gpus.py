@@ -27,8 +27,10 @@ ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fit_noting_steps.py"
 STEP_TIMEOUT = 30
 REPORT = re.compile(r"(StepTimeout|LoaderTimeout|CallerTimeout): rank 0: ")
-PENDING = re.compile(r"flight recorder: (nccl|gloo):\w+ #\d+ on process group|engine: task '\w+' on batch \d+ "
-                     r"(returned, but its work on stream|\(thread)")
+PENDING = re.compile(
+    r"flight recorder: (nccl|gloo):\w+ #\d+ on process group|engine: task '\w+' on batch \d+ "
+    r"(returned, but its work on stream|\(thread)"
+)
 
 
 def fit_and_stop_rank_1(out_dir: Path, accelerator: str, step_timeout: float, steps_before_stop: int = 30):
@@ -40,9 +42,18 @@ def fit_and_stop_rank_1(out_dir: Path, accelerator: str, step_timeout: float, st
         env.setdefault(variable, "0" if variable == "NCCL_NVLS_ENABLE" else "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     note = '{"class_path": "fit_noting_steps.NoteSteps", "init_args": {"directory": "%s"}}' % out_dir
-    command = [sys.executable, str(SCRIPT), "fit", "--config", str(ROOT / "examples" / "benchmark_synthetic.yaml"),
-               f"--trainer.accelerator={accelerator}", "--trainer.devices=2", "--trainer.max_epochs=500",
-               f"--trainer.strategy.init_args.step_timeout={step_timeout}", f"--trainer.callbacks+={note}"]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "benchmark_synthetic.yaml"),
+        f"--trainer.accelerator={accelerator}",
+        "--trainer.devices=2",
+        "--trainer.max_epochs=500",
+        f"--trainer.strategy.init_args.step_timeout={step_timeout}",
+        f"--trainer.callbacks+={note}",
+    ]
     log_path = out_dir / "ranks.log"
     rank1 = None
     with open(log_path, "w") as log:
@@ -64,8 +75,7 @@ def fit_and_stop_rank_1(out_dir: Path, accelerator: str, step_timeout: float, st
         ended = time.monotonic()
         if reported is None and REPORT.search(log_path.read_text()):
             reported = ended
-        return (log_path.read_text(), None if reported is None else reported - stopped, ended - stopped,
-                rank0.poll())
+        return (log_path.read_text(), None if reported is None else reported - stopped, ended - stopped, rank0.poll())
     finally:
         if rank0.poll() is None:
             rank0.kill()

@@ -62,8 +62,10 @@ class TracingWorkload:
             for slot in task.writes:
                 batch[slot] = value
             self.outputs[(name, batch.index)] = value
-            self.runs.append(Run(name, batch.index, batch.step, threading.current_thread().name,
-                                 begin, next(self._clock)))
+            self.runs.append(
+                Run(name, batch.index, batch.step, threading.current_thread().name, begin, next(self._clock))
+            )
+
         return body
 
     def _model_input(self, name):

@@ -7,5 +7,12 @@ from .summary import FitSummary
 from .timing import TaskTimingCallback
 from .trace import GanttCallback, TraceCallback
 
-__all__ = ["CollectiveInventoryCallback", "FitSummary", "GanttCallback", "NVTXCallback", "RankingReport",
-           "TaskTimingCallback", "TraceCallback"]
+__all__ = [
+    "CollectiveInventoryCallback",
+    "FitSummary",
+    "GanttCallback",
+    "NVTXCallback",
+    "RankingReport",
+    "TaskTimingCallback",
+    "TraceCallback",
+]

@@ -57,8 +57,14 @@ class CollectiveInventoryCallback(Callback):
     ``collectives_batch<B>_rank<R>.json`` (Chrome trace format: Perfetto opens it).
     """
 
-    def __init__(self, batch: int | list[int] = 5, path: str | None = "collectives.json", print_table: bool = True,
-                 compare_ranks: bool = False, trace_dir: str | None = None):
+    def __init__(
+        self,
+        batch: int | list[int] = 5,
+        path: str | None = "collectives.json",
+        print_table: bool = True,
+        compare_ranks: bool = False,
+        trace_dir: str | None = None,
+    ):
         self.batches = {batch} if isinstance(batch, int) else set(batch)
         self.path, self.print_table, self.compare_ranks = path, print_table, compare_ranks
         self.trace_dir = trace_dir
@@ -97,8 +103,10 @@ class CollectiveInventoryCallback(Callback):
             if trainer.strategy.root_device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(
-                activities=activities, record_shapes=True,
-                experimental_config=_ExperimentalConfig(profile_all_threads=True))
+                activities=activities,
+                record_shapes=True,
+                experimental_config=_ExperimentalConfig(profile_all_threads=True),
+            )
             self._profiler.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -125,12 +133,15 @@ class CollectiveInventoryCallback(Callback):
         dist.all_gather_object(every, mine)
         for rank, theirs in enumerate(every):
             if theirs != every[0]:
-                at = next((i for i, (a, b) in enumerate(zip(every[0], theirs)) if a != b),
-                          min(len(every[0]), len(theirs)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(every[0], theirs)) if a != b), min(len(every[0]), len(theirs))
+                )
                 first = lambda seq: seq[at] if at < len(seq) else "nothing"  # noqa: E731
-                raise RuntimeError(f"collectives differ between ranks: rank 0 launched {len(every[0])}, rank {rank} "
-                                   f"{len(theirs)}; first difference at position {at}: rank 0 {first(every[0])}, "
-                                   f"rank {rank} {first(theirs)} (task, batch, operation)")
+                raise RuntimeError(
+                    f"collectives differ between ranks: rank 0 launched {len(every[0])}, rank {rank} "
+                    f"{len(theirs)}; first difference at position {at}: rank 0 {first(every[0])}, "
+                    f"rank {rank} {first(theirs)} (task, batch, operation)"
+                )
         self.compared += 1
 
     @rank_zero_only
@@ -152,37 +163,53 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
         if e["name"].startswith(("gloo:", "nccl:")):
             backend.setdefault(_operation(e["name"]), []).append(e)
     # the launch of a collective's kernel: the runtime API, or the driver's (NCCL launches with cuLaunchKernelEx)
-    runtime = [e for e in slices
-               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})]
-    kernels = {e["args"]["correlation"]: e for e in slices  # (one rank's NCCL may only copy: gpu_memcpy)
-               if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {})}
+    runtime = [
+        e for e in slices if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    ]
+    kernels = {
+        e["args"]["correlation"]: e
+        for e in slices  # (one rank's NCCL may only copy: gpu_memcpy)
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "correlation" in e.get("args", {})
+    }
     engine_tids = {r["tid"] for r in ranges}
     inventory = []
     for launch in launches:
         owner = next((r for r in ranges if r["tid"] == launch["tid"] and _within(launch, r)), None)
         if owner is not None:
-            task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")
+            task_batch, thread = owner["name"][len(RANGE_PREFIX) :].split("|")
         else:
             # On a GPU autograd runs backward on a thread of its own, which launches the backward's
             # collectives (TorchRec's embedding all-to-all) while the backward task waits for it.
-            owner = next((r for r in ranges if launch["tid"] not in engine_tids and _within(launch, r)
-                          and r["name"][len(RANGE_PREFIX):].startswith("backward@")), None)
+            owner = next(
+                (
+                    r
+                    for r in ranges
+                    if launch["tid"] not in engine_tids
+                    and _within(launch, r)
+                    and r["name"][len(RANGE_PREFIX) :].startswith("backward@")
+                ),
+                None,
+            )
             if owner is None:
                 continue  # not launched by an engine task (Lightning's own collectives between steps)
-            task_batch, thread = owner["name"][len(RANGE_PREFIX):].split("|")[0], AUTOGRAD_THREAD
+            task_batch, thread = owner["name"][len(RANGE_PREFIX) :].split("|")[0], AUTOGRAD_THREAD
         task, batch = task_batch.split("@")
         inside = lambda events: [e for e in events if e["tid"] == launch["tid"] and _within(e, launch)]  # noqa: E731
         params = next((e["args"] for e in inside(comms)), {})
         group = _group(params)
-        streams = [kernels[e["args"]["correlation"]]["args"].get("stream") for e in inside(runtime)
-                   if e["args"]["correlation"] in kernels]
+        streams = [
+            kernels[e["args"]["correlation"]]["args"].get("stream")
+            for e in inside(runtime)
+            if e["args"]["correlation"] in kernels
+        ]
         operation = _operation(launch["name"])
         done = backend.get(operation, [])
         payload = _bytes(done.pop(0)["args"]) if done else None
         if payload is None:  # no backend event to pair with (NCCL's record_param_comms carries the size)
             payload = _comms_bytes(params)
-        inventory.append(Collective(task, int(batch), thread, operation, payload, group,
-                                    streams[0] if streams else None))
+        inventory.append(
+            Collective(task, int(batch), thread, operation, payload, group, streams[0] if streams else None)
+        )
     return inventory
 
 
@@ -226,15 +253,25 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-_DTYPES = {"float": torch.float32, "double": torch.float64, "long int": torch.int64, "int": torch.int32,
-           "bool": torch.bool}
+_DTYPES = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "long int": torch.int64,
+    "int": torch.int32,
+    "bool": torch.bool,
+}
 """The profiler's C type names that are not torch attribute names (c10::BFloat16 etc. are found by name)."""
 
 
 def format_inventory(inventory: list[Collective]) -> str:
-    header = (f"{'task':<24} {'batch':>5} {'thread':<14} {'collective':<14} {'payload bytes':>13} "
-              f"{'process group':<20} {'stream':>6}")
-    rows = [f"{c.task:<24} {c.batch:>5} {c.thread:<14} {c.operation:<14} "
-            f"{'?' if c.payload_bytes is None else c.payload_bytes:>13} {c.process_group or '?':<20} "
-            f"{'-' if c.stream is None else c.stream:>6}" for c in inventory]
+    header = (
+        f"{'task':<24} {'batch':>5} {'thread':<14} {'collective':<14} {'payload bytes':>13} "
+        f"{'process group':<20} {'stream':>6}"
+    )
+    rows = [
+        f"{c.task:<24} {c.batch:>5} {c.thread:<14} {c.operation:<14} "
+        f"{'?' if c.payload_bytes is None else c.payload_bytes:>13} {c.process_group or '?':<20} "
+        f"{'-' if c.stream is None else c.stream:>6}"
+        for c in inventory
+    ]
     return "\n".join(["collectives of the chosen step:", header, "-" * len(header), *rows])

@@ -26,8 +26,12 @@ class NVTXCallback(Callback):
             self._colors = {t: THREAD_COLORS[i % len(THREAD_COLORS)] for i, t in enumerate(threads)}
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
-        nvtx.push_range(message=f"{task.name}@b{batch} la{task.lookahead}", color=self._colors.get(thread, "blue"),
-                        domain=self.domain, payload=batch)
+        nvtx.push_range(
+            message=f"{task.name}@b{batch} la{task.lookahead}",
+            color=self._colors.get(thread, "blue"),
+            domain=self.domain,
+            payload=batch,
+        )
 
     def task_ended(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
         nvtx.pop_range(domain=self.domain)

@@ -13,8 +13,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..engine import TaskRecord  # noqa: E402
 from ..plan import Plan, Stream  # noqa: E402
 
-STREAM_COLORS = {Stream.DEFAULT: "#4c72b0", Stream.MEMCPY: "#dd8452", Stream.DATA_DIST: "#55a868",
-                 Stream.PREFETCH: "#c44e52"}
+STREAM_COLORS = {
+    Stream.DEFAULT: "#4c72b0",
+    Stream.MEMCPY: "#dd8452",
+    Stream.DATA_DIST: "#55a868",
+    Stream.PREFETCH: "#c44e52",
+}
 
 
 def draw_topology(plan: Plan, path: str | Path) -> list[Path]:
@@ -29,16 +33,30 @@ def draw_topology(plan: Plan, path: str | Path) -> list[Path]:
     for thread in threads:
         row_top[thread] = top
         top -= 0.55 * max(len(names) for (t, _), names in cells.items() if t == thread) + 0.9
-    position = {name: (lookaheads.index(la) * 3.2, row_top[thread] - 0.55 * i)
-                for (thread, la), names in cells.items() for i, name in enumerate(names)}
+    position = {
+        name: (lookaheads.index(la) * 3.2, row_top[thread] - 0.55 * i)
+        for (thread, la), names in cells.items()
+        for i, name in enumerate(names)
+    }
     fig, ax = plt.subplots(figsize=(3.4 * len(lookaheads) + 1.5, max(3.0, -top * 0.55 + 1)))
     for task in plan.tasks:
         x, y = position[task.name]
-        ax.text(x, y, task.name, ha="center", va="center", fontsize=7,
-                bbox=dict(boxstyle="round", fc=STREAM_COLORS[task.stream], alpha=0.85, ec="none"))
+        ax.text(
+            x,
+            y,
+            task.name,
+            ha="center",
+            va="center",
+            fontsize=7,
+            bbox=dict(boxstyle="round", fc=STREAM_COLORS[task.stream], alpha=0.85, ec="none"),
+        )
     for producer, consumer in plan.wait_edges:
-        ax.annotate("", xy=position[consumer], xytext=position[producer],
-                    arrowprops=dict(arrowstyle="->", color="red", linestyle="--", lw=1))
+        ax.annotate(
+            "",
+            xy=position[consumer],
+            xytext=position[producer],
+            arrowprops=dict(arrowstyle="->", color="red", linestyle="--", lw=1),
+        )
     ax.set_xticks([i * 3.2 for i in range(len(lookaheads))], [f"lookahead {la}" for la in lookaheads])
     ax.set_yticks([row_top[t] for t in threads], threads)
     _legend(ax)
@@ -68,14 +86,20 @@ def draw_gantt(plan: Plan, records: Sequence[TaskRecord], path: str | Path) -> l
         for producer in r.waited_on:
             if (producer, r.step) in ends:
                 x, y = ends[(producer, r.step)]
-                ax.annotate("", xy=((r.start - origin) * 1e3, threads.index(r.thread)), xytext=(x, y),
-                            arrowprops=dict(arrowstyle="->", color="red", linestyle="--", lw=1))
+                ax.annotate(
+                    "",
+                    xy=((r.start - origin) * 1e3, threads.index(r.thread)),
+                    xytext=(x, y),
+                    arrowprops=dict(arrowstyle="->", color="red", linestyle="--", lw=1),
+                )
     ax.set_yticks(range(len(threads)), threads)
     ax.invert_yaxis()
     ax.set_xlabel("host time (ms)")
     steps = sorted({r.step for r in records})
-    ax.set_title(f"{plan.name}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
-                 f"(hatched: waiting; red arrows: waits that occurred)")
+    ax.set_title(
+        f"{plan.name}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+        f"(hatched: waiting; red arrows: waits that occurred)"
+    )
     _legend(ax)
     return _save(fig, path)
 

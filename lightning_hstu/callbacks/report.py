@@ -55,19 +55,32 @@ class RankingReport(Callback):
 
     @rank_zero_only
     def _report(self, trainer, pl_module) -> None:
-        metrics = {ranking: {m: float(trainer.callback_metrics[f"test/{ranking}/{m}"]) for m in METRICS}
-                   for ranking in RANKINGS if f"test/{ranking}/{METRICS[0]}" in trainer.callback_metrics}
+        metrics = {
+            ranking: {m: float(trainer.callback_metrics[f"test/{ranking}/{m}"]) for m in METRICS}
+            for ranking in RANKINGS
+            if f"test/{ranking}/{METRICS[0]}" in trainer.callback_metrics
+        }
         if not metrics:
             return
         data = trainer.datamodule
         name = self.name or _model_name(pl_module)
         run_dir = Path(trainer.log_dir) if trainer.log_dir else None
-        result = {"model": name, "data": data.description, "metrics": metrics, "best_epoch": self.best_epoch,
-                  "monitor": self.monitor, "best_score": self.best_score,
-                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "run": str(run_dir) if run_dir else None}
+        result = {
+            "model": name,
+            "data": data.description,
+            "metrics": metrics,
+            "best_epoch": self.best_epoch,
+            "monitor": self.monitor,
+            "best_score": self.best_score,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "run": str(run_dir) if run_dir else None,
+        }
         others = _other_runs(run_dir, data.description, name) if run_dir else []
-        rows = [(name, metrics, ""), *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
-                ("most popular", data.most_popular("test"), "")]
+        rows = [
+            (name, metrics, ""),
+            *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
+            ("most popular", data.most_popular("test"), ""),
+        ]
         print(format_report(data.description, rows, self.best_epoch, self.monitor, self.best_score))
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,8 +89,11 @@ class RankingReport(Callback):
 
 def format_report(description: str, rows, best_epoch, monitor, best_score) -> str:
     """The test metrics of each (name, {ranking: {metric: value}}, note) row, one block per ranking."""
-    chosen = (f"weights of epoch {best_epoch}, best {monitor} {best_score:.4f}" if best_epoch is not None
-              else "weights at the end of fit")
+    chosen = (
+        f"weights of epoch {best_epoch}, best {monitor} {best_score:.4f}"
+        if best_epoch is not None
+        else "weights at the end of fit"
+    )
     lines = [f"\ntest ({description}; the last item of each history, {chosen}):"]
     width = max(len(r[0]) for r in rows) + 2
     for ranking, label in RANKINGS.items():

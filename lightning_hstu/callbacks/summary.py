@@ -27,9 +27,11 @@ class FitSummary(Callback):
         if self._start is None:
             return
         seconds = time.perf_counter() - self._start
-        print(f"\ntrained {self.samples:,} samples in {trainer.current_epoch} epochs: "
-              f"{self.samples / seconds:,.0f} samples/s; fit {seconds:.1f} s (validation included), "
-              f"{time.perf_counter() - self.created:.1f} s since start")
+        print(
+            f"\ntrained {self.samples:,} samples in {trainer.current_epoch} epochs: "
+            f"{self.samples / seconds:,.0f} samples/s; fit {seconds:.1f} s (validation included), "
+            f"{time.perf_counter() - self.created:.1f} s since start"
+        )
 
     @rank_zero_only
     def teardown(self, trainer, pl_module, stage: str) -> None:

@@ -25,8 +25,13 @@ class TaskTimingCallback(Callback):
     waiting for them before the fit ends.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, print_table: bool = True, device_time: bool = False,
-                 max_records: int = 200_000):
+    def __init__(
+        self,
+        log_every_n_steps: int = 50,
+        print_table: bool = True,
+        device_time: bool = False,
+        max_records: int = 200_000,
+    ):
         self.log_every_n_steps, self.print_table, self.device_time = log_every_n_steps, print_table, device_time
         self.max_records = max_records
         self.records: deque[TaskRecord] = deque(maxlen=max_records)
@@ -73,7 +78,8 @@ class TaskTimingCallback(Callback):
         while done and (wait or done[0].end.query()):
             run = done.popleft()
             self.device_ms.setdefault(run.task.name, deque(maxlen=self.max_records)).append(
-                run.start.elapsed_time(run.end))
+                run.start.elapsed_time(run.end)
+            )
 
     @rank_zero_only
     def _print(self, trainer) -> None:

@@ -51,8 +51,9 @@ class TraceCallback(_ChosenBatches):
     by CUDA events on its stream; to place them on the host's clock the callback synchronises the device
     once, when the traced steps begin (a trace is a diagnosis, not a production setting)."""
 
-    def __init__(self, path: str = "engine_trace.json", first_batch: int = 10, num_batches: int = 3,
-                 stream_tracks: bool = True):
+    def __init__(
+        self, path: str = "engine_trace.json", first_batch: int = 10, num_batches: int = 3, stream_tracks: bool = True
+    ):
         super().__init__(first_batch, num_batches)
         self.path = Path(path)
         self.stream_tracks = stream_tracks
@@ -87,8 +88,10 @@ class TraceCallback(_ChosenBatches):
             torch.cuda.synchronize()
             anchor, at = self._anchor
             clock = lambda event: at + anchor.elapsed_time(event) / 1e3  # noqa: E731  (ms after the anchor)
-            self.device_slices = [DeviceSlice(r.task.name, r.batch, r.step, str(r.task.stream), clock(r.start),
-                                              clock(r.end)) for r in self._events.done]
+            self.device_slices = [
+                DeviceSlice(r.task.name, r.batch, r.step, str(r.task.stream), clock(r.start), clock(r.end))
+                for r in self._events.done
+            ]
         if self.records:
             write_trace(trainer.strategy.plan, self.records, self.path, self.device_slices)
 
@@ -111,15 +114,31 @@ def write_trace(plan: Plan, records: list[TaskRecord], path: Path, device_slices
     origin = min([r.start - r.wait for r in records] + [d.start for d in device_slices])
     us = lambda t: round((t - origin) * 1e6, 3)  # noqa: E731
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"lightning-hstu engine ({plan.name})"}}]
-    events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": t}}
-               for i, t in enumerate(threads)]
+    events += [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": t}} for i, t in enumerate(threads)
+    ]
     ends = {}
     for r in records:
         task = plan.task(r.task)
-        events.append({"ph": "X", "pid": 0, "tid": threads.index(r.thread), "name": r.task, "cat": str(task.stream),
-                       "ts": us(r.start), "dur": max(us(r.end) - us(r.start), 0.001),
-                       "args": {"batch": r.batch, "step": r.step, "lookahead": task.lookahead,
-                                "stream": str(task.stream), "skipped": r.skipped, "wait_us": round(r.wait * 1e6, 3)}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": 0,
+                "tid": threads.index(r.thread),
+                "name": r.task,
+                "cat": str(task.stream),
+                "ts": us(r.start),
+                "dur": max(us(r.end) - us(r.start), 0.001),
+                "args": {
+                    "batch": r.batch,
+                    "step": r.step,
+                    "lookahead": task.lookahead,
+                    "stream": str(task.stream),
+                    "skipped": r.skipped,
+                    "wait_us": round(r.wait * 1e6, 3),
+                },
+            }
+        )
         ends[(r.task, r.step)] = r
     flow = 0
     for r in records:
@@ -134,12 +153,23 @@ def write_trace(plan: Plan, records: list[TaskRecord], path: Path, device_slices
     if device_slices:
         streams = sorted({d.stream for d in device_slices})
         events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "CUDA streams (task events)"}})
-        events += [{"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": f"stream {s}"}}
-                   for i, s in enumerate(streams)]
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": f"stream {s}"}}
+            for i, s in enumerate(streams)
+        ]
         for d in device_slices:
-            events.append({"ph": "X", "pid": 1, "tid": streams.index(d.stream), "name": d.task, "cat": d.stream,
-                           "ts": us(d.start), "dur": max(us(d.end) - us(d.start), 0.001),
-                           "args": {"batch": d.batch, "step": d.step, "stream": d.stream}})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": streams.index(d.stream),
+                    "name": d.task,
+                    "cat": d.stream,
+                    "ts": us(d.start),
+                    "dur": max(us(d.end) - us(d.start), 0.001),
+                    "args": {"batch": d.batch, "step": d.step, "stream": d.stream},
+                }
+            )
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace))

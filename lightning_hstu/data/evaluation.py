@@ -15,8 +15,9 @@ RANKINGS = {"all": "ranked among all items", "unseen": "ranked among items not i
 METRICS = ("HR@1", "HR@10", "HR@50", "NDCG@10", "NDCG@50", "MRR")
 
 
-def target_ranks(scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor,
-                 history_lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+def target_ranks(
+    scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor, history_lengths: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The 0-based rank of each target under each of ``RANKINGS``. ``scores`` [B, items + 1], ``targets``
     [B], ``history`` the item ids of every history back to back, ``history_lengths`` [B]."""
     scores = scores.float().clone()
@@ -33,8 +34,14 @@ def metric_values(ranks: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each of ``METRICS`` per sample (average them over samples)."""
     rank = ranks.float()
     gain = 1 / torch.log2(rank + 2)
-    return {"HR@1": (rank < 1).float(), "HR@10": (rank < 10).float(), "HR@50": (rank < 50).float(),
-            "NDCG@10": gain * (rank < 10), "NDCG@50": gain * (rank < 50), "MRR": 1 / (rank + 1)}
+    return {
+        "HR@1": (rank < 1).float(),
+        "HR@10": (rank < 10).float(),
+        "HR@50": (rank < 50).float(),
+        "NDCG@10": gain * (rank < 10),
+        "NDCG@50": gain * (rank < 50),
+        "MRR": 1 / (rank + 1),
+    }
 
 
 def mean_metrics(ranks: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -52,7 +59,7 @@ def most_popular_ranks(train_items: Sequence[Sequence[int]], evaluation, num_ite
     scores = popularity - torch.arange(num_items + 1) * 1e-6  # ties: smaller id first
     ranks = {name: [] for name in RANKINGS}
     for start in range(0, len(evaluation), 256):
-        chunk = evaluation[start:start + 256]
+        chunk = evaluation[start : start + 256]
         history = torch.tensor([i for h, _ in chunk for i in h.items], dtype=torch.long)
         lengths = torch.tensor([len(h.items) for h, _ in chunk])
         targets = torch.tensor([t for _, t in chunk])

@@ -49,9 +49,11 @@ def leave_two_out(histories: Sequence[History], max_len: int) -> Split:
     item from the events before it, test on predicting the last item from every event before it (the
     validation item included). Users with fewer than 4 events are left out."""
     usable = [h for h in histories if len(h.items) >= 4]
-    return Split(train=[h.without_last(2).last(max_len) for h in usable],
-                 validation=[(h.without_last(2).last(max_len), h.items[-2]) for h in usable],
-                 test=[(h.without_last(1).last(max_len), h.items[-1]) for h in usable])
+    return Split(
+        train=[h.without_last(2).last(max_len) for h in usable],
+        validation=[(h.without_last(2).last(max_len), h.items[-2]) for h in usable],
+        test=[(h.without_last(1).last(max_len), h.items[-1]) for h in usable],
+    )
 
 
 class Collate:
@@ -60,8 +62,14 @@ class Collate:
     ``rows``: each feature's table size; a batch with an id outside it raises ``IdError`` here, in the
     loader, where checking costs no wait for a GPU."""
 
-    def __init__(self, num_items: int, negatives: int, seed: int, with_targets: bool = False,
-                 rows: Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        num_items: int,
+        negatives: int,
+        seed: int,
+        with_targets: bool = False,
+        rows: Mapping[str, int] | None = None,
+    ):
         self.num_items, self.negatives, self.with_targets = num_items, negatives, with_targets
         self.rows = dict(rows or {})
         self.generator = torch.Generator().manual_seed(seed)
@@ -70,10 +78,13 @@ class Collate:
         histories = [s[0] for s in samples] if self.with_targets else samples
         lengths = [len(h.items) for h in histories]
         negatives = torch.randint(1, self.num_items + 1, (len(histories) * self.negatives,), generator=self.generator)
-        values = [torch.tensor([i for h in histories for i in h.items]), negatives,
-                  torch.tensor([a for h in histories for a in h.actions]),
-                  torch.tensor([h.user for h in histories]),
-                  torch.tensor([t for h in histories for t in h.times])]
+        values = [
+            torch.tensor([i for h in histories for i in h.items]),
+            negatives,
+            torch.tensor([a for h in histories for a in h.actions]),
+            torch.tensor([h.user for h in histories]),
+            torch.tensor([t for h in histories for t in h.times]),
+        ]
         key_lengths = [lengths, [self.negatives] * len(histories), lengths, [1] * len(histories), lengths]
         keys = [*SPARSE_KEYS, "time"]
         if self.with_targets:
@@ -81,7 +92,8 @@ class Collate:
             values.append(torch.tensor([s[1] for s in samples]))
             key_lengths.append([1] * len(samples))
         features = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.cat(values), lengths=torch.tensor([n for ls in key_lengths for n in ls]))
+            keys=keys, values=torch.cat(values), lengths=torch.tensor([n for ls in key_lengths for n in ls])
+        )
         check_ids(features, self.rows, lambda sample: f"user {histories[sample].user}")
         return HSTUBatch(features, sequence_keys=("item", "action", "time"))
 
@@ -104,8 +116,8 @@ class LengthBuckets(Sampler[int]):
         order = torch.randperm(len(self.lengths), generator=self.generator).tolist()
         batches = []
         for start in range(0, len(order), self.pool):
-            pool = sorted(order[start:start + self.pool], key=self.lengths.__getitem__)
-            batches.extend(pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size))
+            pool = sorted(order[start : start + self.pool], key=self.lengths.__getitem__)
+            batches.extend(pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size))
         for b in torch.randperm(len(batches), generator=self.generator).tolist():
             yield from batches[b]
 
@@ -129,12 +141,20 @@ class HistoryDataModule(pl.LightningDataModule):
     (``LengthBuckets`` with that many batches per pool; 0, a plain shuffle). With several ranks Lightning
     splits the order between them (its DistributedSamplerWrapper), so each rank's batches stay alike."""
 
-    def __init__(self, batch_size: int = 32, max_seq_len: int = 200, negatives: int = 64, seed: int = 0,
-                 num_workers: int = 0, length_buckets: int = 0):
+    def __init__(
+        self,
+        batch_size: int = 32,
+        max_seq_len: int = 200,
+        negatives: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+        length_buckets: int = 0,
+    ):
         super().__init__()
         if length_buckets < 0:
-            raise ValueError(f"length_buckets must be 0 (plain shuffle) or a number of batches per pool, got "
-                             f"{length_buckets}")
+            raise ValueError(
+                f"length_buckets must be 0 (plain shuffle) or a number of batches per pool, got {length_buckets}"
+            )
         self.length_buckets = length_buckets
         self.batch_size, self.max_seq_len, self.negatives = batch_size, max_seq_len, negatives
         self.seed, self.num_workers = seed, num_workers
@@ -151,8 +171,13 @@ class HistoryDataModule(pl.LightningDataModule):
         """Each feature's embedding table size for this data: item and user ids count from 1 (0 means
         none), actions from 0; the held-out ``target`` is an item."""
         items = self.num_items + 1
-        return {"item": items, "item_neg": items, "target": items, "action": self.num_actions,
-                "user": self.num_users + 1}
+        return {
+            "item": items,
+            "item_neg": items,
+            "target": items,
+            "action": self.num_actions,
+            "user": self.num_users + 1,
+        }
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_histories:
@@ -176,10 +201,15 @@ class HistoryDataModule(pl.LightningDataModule):
         if self.length_buckets:
             lengths = [len(h.items) for h in self.train_histories]
             order = dict(sampler=LengthBuckets(lengths, self.batch_size, self.length_buckets, generator))
-        return DataLoader(_ListDataset(self.train_histories), batch_size=self.batch_size, **order, drop_last=True,
-                          collate_fn=Collate(self.num_items, self.negatives, self.seed, rows=self.table_rows()),
-                          num_workers=self.num_workers,
-                          pin_memory=torch.cuda.is_available())  # pinned: the h2d copy can be asynchronous
+        return DataLoader(
+            _ListDataset(self.train_histories),
+            batch_size=self.batch_size,
+            **order,
+            drop_last=True,
+            collate_fn=Collate(self.num_items, self.negatives, self.seed, rows=self.table_rows()),
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )  # pinned: the h2d copy can be asynchronous
 
     def val_dataloader(self) -> DataLoader:
         return self._evaluation_loader(self.validation)
@@ -189,9 +219,11 @@ class HistoryDataModule(pl.LightningDataModule):
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
         pairs = sorted(pairs, key=lambda pair: len(pair[0].items))  # like lengths batched: less padding
-        return DataLoader(_ListDataset(pairs), batch_size=self.batch_size,
-                          collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True,
-                                             rows=self.table_rows()))
+        return DataLoader(
+            _ListDataset(pairs),
+            batch_size=self.batch_size,
+            collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows()),
+        )
 
     def most_popular(self, stage: str = "test") -> dict[str, dict[str, float]]:
         """The most-popular baseline's ``data.evaluation`` metrics on the ``val`` or ``test`` items:
@@ -212,8 +244,8 @@ class SyntheticHistories(HistoryDataModule):
 
     def load(self) -> list[History]:
         rng = random.Random(self.seed)
-        length_weights = [1 / n ** self.alpha for n in range(1, self.max_seq_len + 2)]
-        item_weights = [1 / n ** self.alpha for n in range(1, self._items + 1)]
+        length_weights = [1 / n**self.alpha for n in range(1, self.max_seq_len + 2)]
+        item_weights = [1 / n**self.alpha for n in range(1, self._items + 1)]
         histories = []
         for user in range(1, self._users + 1):
             n = max(4, rng.choices(range(1, self.max_seq_len + 2), weights=length_weights)[0])

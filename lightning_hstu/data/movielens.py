@@ -71,8 +71,10 @@ class MovieLens(HistoryDataModule):
         if dataset not in DATASETS:
             raise ValueError(f"unknown MovieLens dataset {dataset!r}; valid: {', '.join(DATASETS)}")
         if root is None and dataset != "ml-100k":
-            raise ValueError(f"{dataset} is read from a local GroupLens folder: pass root=... "
-                             f"(only ml-100k is fetched automatically)")
+            raise ValueError(
+                f"{dataset} is read from a local GroupLens folder: pass root=... "
+                f"(only ml-100k is fetched automatically)"
+            )
         self.dataset, self.root = dataset, root
 
     def prepare_data(self) -> None:
@@ -98,8 +100,11 @@ def read_ratings(dataset: str, root: str | None) -> list[tuple[int, int, float, 
         raise FileNotFoundError(f"{dataset}: no {ratings.file} in {root}")
     rows = parse_ratings(path, ratings)
     if ratings.published is not None and len(rows) != ratings.published:
-        warnings.warn(f"{path} holds {len(rows):,} ratings; the published {dataset} has {ratings.published:,}: "
-                      f"training on another version or a part of it", stacklevel=2)
+        warnings.warn(
+            f"{path} holds {len(rows):,} ratings; the published {dataset} has {ratings.published:,}: "
+            f"training on another version or a part of it",
+            stacklevel=2,
+        )
     return rows
 
 
@@ -125,13 +130,17 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as file:
         for number, raw in enumerate(file, start=1):
             if not raw.endswith(b"\n"):
-                raise DataFileError(f"{path} ends in the middle of line {number} ({raw[:80]!r}): the file is "
-                                    f"truncated. If it is complete, end it with a newline")
+                raise DataFileError(
+                    f"{path} ends in the middle of line {number} ({raw[:80]!r}): the file is "
+                    f"truncated. If it is complete, end it with a newline"
+                )
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise DataFileError(f"{path}, line {number}: not text ({raw[:40]!r}...): a binary or damaged "
-                                    f"file where ratings were expected") from None
+                raise DataFileError(
+                    f"{path}, line {number}: not text ({raw[:40]!r}...): a binary or damaged "
+                    f"file where ratings were expected"
+                ) from None
 
 
 def _rating(line: str, separator: str, path: Path, number: int) -> tuple[int, int, float, int]:
@@ -140,8 +149,10 @@ def _rating(line: str, separator: str, path: Path, number: int) -> tuple[int, in
         user, item, rating, time = fields[:4]
         return int(user), int(item), float(rating), int(float(time))
     except ValueError:
-        raise DataFileError(f"{path}, line {number}: expected user, item, rating and timestamp separated by "
-                            f"{separator!r}, got {line.strip()[:80]!r}") from None
+        raise DataFileError(
+            f"{path}, line {number}: expected user, item, rating and timestamp separated by "
+            f"{separator!r}, got {line.strip()[:80]!r}"
+        ) from None
 
 
 def histories_from(rows: list[tuple[int, int, float, int]]) -> list[History]:
@@ -155,12 +166,14 @@ def histories_from(rows: list[tuple[int, int, float, int]]) -> list[History]:
     histories = []
     for number, user in enumerate(sorted(events), start=1):
         ordered = sorted(events[user])
-        histories.append(History(number, tuple(e[1] for e in ordered), tuple(e[2] for e in ordered),
-                                 tuple(e[0] for e in ordered)))
+        histories.append(
+            History(number, tuple(e[1] for e in ordered), tuple(e[2] for e in ordered), tuple(e[0] for e in ordered))
+        )
     return histories
 
 
 # ----- the first-use fetch of ML-100K ------------------------------------------------------------------------
+
 
 def fetch_ml100k() -> Path:
     """The cached ``ml-100k.inter``, fetched first if absent; checked against its SHA-256 every time."""
@@ -172,9 +185,11 @@ def fetch_ml100k() -> Path:
             _fetch_into(target)
     digest = _sha256(target.read_bytes())
     if digest != INTER_SHA256:
-        raise DataFileError(f"{target} is not the ML-100K file fetched from {_RECBOLE} (SHA-256 {digest}, "
-                            f"expected {INTER_SHA256}): it changed or was damaged since. Delete it to fetch it "
-                            f"again")
+        raise DataFileError(
+            f"{target} is not the ML-100K file fetched from {_RECBOLE} (SHA-256 {digest}, "
+            f"expected {INTER_SHA256}): it changed or was damaged since. Delete it to fetch it "
+            f"again"
+        )
     return target
 
 
@@ -183,8 +198,10 @@ def _fetch_into(target: Path) -> None:
         wheel = download_wheel(Path(download))
         digest = _sha256(wheel.read_bytes())
         if digest != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel.name} has SHA-256 {digest}, expected {WHEEL_SHA256}: not the {_RECBOLE} "
-                               f"wheel this release was checked with; refusing it")
+            raise RuntimeError(
+                f"{wheel.name} has SHA-256 {digest}, expected {WHEEL_SHA256}: not the {_RECBOLE} "
+                f"wheel this release was checked with; refusing it"
+            )
         with zipfile.ZipFile(wheel) as archive:
             content = archive.read(_MEMBER)
         if _sha256(content) != INTER_SHA256:
@@ -199,13 +216,30 @@ def download_wheel(directory: Path) -> Path:
     code here), and pip checks it against the recorded hash before keeping it."""
     requirement = directory / "requirement.txt"
     requirement.write_text(f"{_RECBOLE} --hash=sha256:{WHEEL_SHA256}\n")
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                             "--require-hashes", "-q", "-r", str(requirement), "-d", str(directory)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--require-hashes",
+            "-q",
+            "-r",
+            str(requirement),
+            "-d",
+            str(directory),
+        ],
+        capture_output=True,
+        text=True,
+    )
     wheels = list(directory.glob("recbole-*.whl"))
     if result.returncode or not wheels:
-        raise RuntimeError(f"could not fetch ML-100K (the {_RECBOLE} wheel from PyPI): {result.stderr[-800:]}\n"
-                           f"Download ml-100k from GroupLens yourself and pass root=<folder with u.data>.")
+        raise RuntimeError(
+            f"could not fetch ML-100K (the {_RECBOLE} wheel from PyPI): {result.stderr[-800:]}\n"
+            f"Download ml-100k from GroupLens yourself and pass root=<folder with u.data>."
+        )
     return wheels[0]
 
 

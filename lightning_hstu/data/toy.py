@@ -13,8 +13,16 @@ class ToyDataModule(pl.LightningDataModule):
     saves.
     """
 
-    def __init__(self, num_samples: int = 96, batch_size: int = 8, num_items: int = 64, seq_len: int = 6,
-                 seed: int = 0, shuffle: bool = False, stateful: bool = False):
+    def __init__(
+        self,
+        num_samples: int = 96,
+        batch_size: int = 8,
+        num_items: int = 64,
+        seq_len: int = 6,
+        seed: int = 0,
+        shuffle: bool = False,
+        stateful: bool = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)

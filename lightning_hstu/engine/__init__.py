@@ -6,6 +6,23 @@ from .records import StepResult, TaskRecord, TaskSummary, format_summary, summar
 from .ring import SKIPPED, BatchView
 from .watchdog import WATCHDOG_EXIT_CODE, TimeoutActions
 
-__all__ = ["BatchView", "CallerTimeout", "Engine", "EngineError", "LoaderTimeout", "SKIPPED", "SlotError", "StepResult",
-           "StepTimeout", "TaskError", "TaskObserver", "TaskRecord", "TaskSummary", "TimeoutActions",
-           "WATCHDOG_EXIT_CODE", "check_step_timeout", "format_summary", "summarize"]
+__all__ = [
+    "BatchView",
+    "CallerTimeout",
+    "Engine",
+    "EngineError",
+    "LoaderTimeout",
+    "SKIPPED",
+    "SlotError",
+    "StepResult",
+    "StepTimeout",
+    "TaskError",
+    "TaskObserver",
+    "TaskRecord",
+    "TaskSummary",
+    "TimeoutActions",
+    "WATCHDOG_EXIT_CODE",
+    "check_step_timeout",
+    "format_summary",
+    "summarize",
+]

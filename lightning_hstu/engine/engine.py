@@ -90,11 +90,33 @@ class _StepShape:
 class _Step:
     """What the threads of one step share: which batches exist, completion signals, the first failure."""
 
-    __slots__ = ("index", "first", "limit", "ring", "shape", "done", "records", "failure", "aborted", "finished",
-                 "dispatched_at", "_inboxes", "_gates", "_threads_left", "_lock")
+    __slots__ = (
+        "index",
+        "first",
+        "limit",
+        "ring",
+        "shape",
+        "done",
+        "records",
+        "failure",
+        "aborted",
+        "finished",
+        "dispatched_at",
+        "_inboxes",
+        "_gates",
+        "_threads_left",
+        "_lock",
+    )
 
-    def __init__(self, index: int, first: int, limit: int | None, ring: Ring, shape: _StepShape,
-                 inboxes: Mapping[str, queue.SimpleQueue]):
+    def __init__(
+        self,
+        index: int,
+        first: int,
+        limit: int | None,
+        ring: Ring,
+        shape: _StepShape,
+        inboxes: Mapping[str, queue.SimpleQueue],
+    ):
         self.index, self.first, self.limit, self.ring, self.shape = index, first, limit, ring, shape
         self.done = {name: _Signal() for name in shape.signalled}
         self.records: list[TaskRecord] = []
@@ -234,9 +256,11 @@ class TaskGraphs(Protocol):
     """CUDA graphs of (part of) a capturable task's body, captured by the engine between steps."""
 
     def pending(self) -> list: ...
+
     """What is ready to be captured (empty: nothing to do)."""
 
     def capture(self) -> list[str]: ...
+
     """Capture it; no engine task runs meanwhile. Returns what was captured, described."""
 
 
@@ -260,16 +284,26 @@ class Engine:
     the device, so it must not overlap other tasks).
     """
 
-    def __init__(self, plan: Plan, bodies: Mapping[str, Body | None], *, device: Any = None,
-                 step_timeout: float | None = None, join_timeout: float = 10.0,
-                 observers: Iterable["TaskObserver"] = (), graphs: Mapping[str, TaskGraphs] | None = None,
-                 on_timeout: TimeoutActions | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        bodies: Mapping[str, Body | None],
+        *,
+        device: Any = None,
+        step_timeout: float | None = None,
+        join_timeout: float = 10.0,
+        observers: Iterable["TaskObserver"] = (),
+        graphs: Mapping[str, TaskGraphs] | None = None,
+        on_timeout: TimeoutActions | None = None,
+    ):
         self.plan = plan
         graphs = dict(graphs or {})
         refused = [name for name in graphs if name not in plan.capturable]
         if refused:
-            raise EngineError(f"graphs given for {refused}, which plan '{plan.name}' does not mark capturable; "
-                              f"capturable tasks: {', '.join(plan.capturable) or 'none'}")
+            raise EngineError(
+                f"graphs given for {refused}, which plan '{plan.name}' does not mark capturable; "
+                f"capturable tasks: {', '.join(plan.capturable) or 'none'}"
+            )
         self._graphs = graphs
         self.captured: list[tuple[str, str]] = []
         """(task, what) for every capture so far."""
@@ -307,8 +341,7 @@ class Engine:
         if not self.plan.legacy or self.step_timeout is not None:
             for thread in self.plan.threads:
                 inbox: queue.SimpleQueue = queue.SimpleQueue()
-                worker = threading.Thread(target=self._worker, args=(thread, inbox),
-                                          name=f"hstu-{thread}", daemon=True)
+                worker = threading.Thread(target=self._worker, args=(thread, inbox), name=f"hstu-{thread}", daemon=True)
                 self._inboxes[thread], self._workers[thread] = inbox, worker
                 self._activity[thread] = ("idle",)
                 worker.start()
@@ -335,8 +368,11 @@ class Engine:
             worker.join(max(0.0, deadline - monotonic()))
         stuck = [name for name, worker in threads.items() if worker.is_alive()]
         if stuck:
-            warnings.warn(f"engine threads {stuck} did not stop within {join_timeout:g} s "
-                          f"(still inside a task body or a pull)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"engine threads {stuck} did not stop within {join_timeout:g} s (still inside a task body or a pull)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -369,8 +405,14 @@ class Engine:
         """Run every batch through every task; return all task records."""
         return [record for result in self.steps(batches) for record in result.records]
 
-    def steps(self, batches: Iterable[Any], before_step: Callable[[int], bool] | None = None, *,
-              start: int = 0, source: str | None = None) -> Iterator[StepResult]:
+    def steps(
+        self,
+        batches: Iterable[Any],
+        before_step: Callable[[int], bool] | None = None,
+        *,
+        start: int = 0,
+        source: str | None = None,
+    ) -> Iterator[StepResult]:
         """Run step by step, yielding after each step barrier (no task of the engine is running then).
 
         The batches are numbered from ``start`` (a run that resumes an epoch numbers its batches as the
@@ -460,8 +502,11 @@ class Engine:
         return None
 
     def _new_step(self, index: int, first: int, limit: int | None, ring: Ring) -> _Step | None:
-        running = tuple(name for name, la in self._lookahead.items()
-                        if index + la >= first and (limit is None or index + la < limit))
+        running = tuple(
+            name
+            for name, la in self._lookahead.items()
+            if index + la >= first and (limit is None or index + la < limit)
+        )
         if not running:
             return None
         if running not in self._step_shapes:
@@ -527,8 +572,7 @@ class Engine:
         while (step := inbox.get()) is not None:
             try:
                 if setup_error is not None:
-                    step.fail(EngineError(f"thread '{thread}' could not enter its device: {setup_error}"),
-                              setup_error)
+                    step.fail(EngineError(f"thread '{thread}' could not enter its device: {setup_error}"), setup_error)
                 else:
                     self._run_tasks(thread, step)
             except BaseException as exc:  # a bug of the engine itself: still end the step
@@ -562,17 +606,20 @@ class Engine:
                 return
             end = perf_counter()
             step.task_done(task.name)
-            step.records.append(TaskRecord(task.name, batch, step.index, thread, start, end,
-                                           start - waited_from, result is SKIPPED, waited_on))
+            step.records.append(
+                TaskRecord(
+                    task.name, batch, step.index, thread, start, end, start - waited_from, result is SKIPPED, waited_on
+                )
+            )
 
     def _wait_for_producers(self, thread: str, scheduled: ScheduledTask, batch: int, step: _Step) -> tuple[str, ...]:
         """Block until this step's producers of the task are done; return those it actually waited for."""
         name = scheduled.task.name
-        blocked = [p for p in scheduled.host_waits
-                   if self._wait(thread, step, p, ("waiting for", p, name, batch))]
+        blocked = [p for p in scheduled.host_waits if self._wait(thread, step, p, ("waiting for", p, name, batch))]
         holder = step.shape.ticket_prev.get(name)
-        if holder is not None and self._wait(thread, step, holder,
-                                             ("waiting for the ticket after", holder, name, batch)):
+        if holder is not None and self._wait(
+            thread, step, holder, ("waiting for the ticket after", holder, name, batch)
+        ):
             blocked.append(holder)
         return tuple(blocked)
 
@@ -619,8 +666,11 @@ class Engine:
         activity = self._describe_activity(step)
         if self._loader is not None:
             pulling = self._pulling
-            activity["loader"] = ("idle (no pull in progress)" if pulling is None else
-                                  f"pulling batch {pulling[0]} from {pulling[1]}\n{_stack_of(self._loader.thread)}")
+            activity["loader"] = (
+                "idle (no pull in progress)"
+                if pulling is None
+                else f"pulling batch {pulling[0]} from {pulling[1]}\n{_stack_of(self._loader.thread)}"
+            )
         caller = f"{watch.what}, on thread '{watch.thread.name}'"
         if watch.kind == WatchKind.CALLER:
             caller += "\n" + _stack_of(watch.thread)
@@ -639,9 +689,12 @@ class Engine:
         recorded = None
         if self._on_timeout.collectives_in_flight is not None:
             recorded = call_bounded(self._on_timeout.collectives_in_flight, "reading the collectives in flight") or []
-        engine = [f"engine: task '{activity[1]}' on batch {activity[2]} (thread '{thread}') launches collectives "
-                  f"and has not returned" for thread, activity in list(self._activity.items())
-                  if activity[0] == "running" and self.plan.task(activity[1]).collective]
+        engine = [
+            f"engine: task '{activity[1]}' on batch {activity[2]} (thread '{thread}') launches collectives "
+            f"and has not returned"
+            for thread, activity in list(self._activity.items())
+            if activity[0] == "running" and self.plan.task(activity[1]).collective
+        ]
         if self._streams.enabled and self._ring is not None:
             engine += call_bounded(self._collective_work_not_done, "querying the tasks' CUDA events") or []
         if recorded is None and not engine:
@@ -654,8 +707,10 @@ class Engine:
             for name, event in list(entry.events.items()):
                 task = self.plan.task(name)
                 if task.collective and not event.query():
-                    lines.append(f"engine: task '{name}' on batch {entry.index} returned, but its work on stream "
-                                 f"'{task.stream}' has not completed")
+                    lines.append(
+                        f"engine: task '{name}' on batch {entry.index} returned, but its work on stream "
+                        f"'{task.stream}' has not completed"
+                    )
         return lines
 
     def _describe_activity(self, step: _Step | None) -> dict[str, str]:

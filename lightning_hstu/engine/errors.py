@@ -11,8 +11,9 @@ class TaskError(EngineError):
 
     def __init__(self, task: str, batch: int, step: int, thread: str, cause: BaseException):
         self.task, self.batch, self.step, self.thread = task, batch, step, thread
-        super().__init__(f"task '{task}' failed on batch {batch} (step {step}, thread '{thread}'): "
-                         f"{type(cause).__name__}: {cause}")
+        super().__init__(
+            f"task '{task}' failed on batch {batch} (step {step}, thread '{thread}'): {type(cause).__name__}: {cause}"
+        )
 
 
 class StepTimeout(EngineError):
@@ -20,8 +21,16 @@ class StepTimeout(EngineError):
     ``collectives`` lists the collectives this process issued that have not completed (None: not known,
     a single process); ``rank`` names the process in a distributed job (None: a single process)."""
 
-    def __init__(self, step: int, timeout: float, activity: dict[str, str], headline: str | None = None, *,
-                 rank: int | None = None, collectives: list[str] | None = None):
+    def __init__(
+        self,
+        step: int,
+        timeout: float,
+        activity: dict[str, str],
+        headline: str | None = None,
+        *,
+        rank: int | None = None,
+        collectives: list[str] | None = None,
+    ):
         self.step, self.timeout, self.activity = step, timeout, activity
         self.rank, self.collectives = rank, collectives
         headline = headline or f"step {step} did not finish within {timeout:g} s; what each thread was doing:"
@@ -40,9 +49,14 @@ class LoaderTimeout(StepTimeout):
 
     def __init__(self, step: int, batch: int, timeout: float, source: str, activity: dict[str, str], **details):
         self.batch, self.source = batch, source
-        super().__init__(step, timeout, activity,
-                         f"the data loader ({source}) gave no batch within {timeout:g} s: batch {batch}, due for "
-                         f"step {step}; what each thread was doing:", **details)
+        super().__init__(
+            step,
+            timeout,
+            activity,
+            f"the data loader ({source}) gave no batch within {timeout:g} s: batch {batch}, due for "
+            f"step {step}; what each thread was doing:",
+            **details,
+        )
 
 
 class CallerTimeout(StepTimeout):
@@ -52,9 +66,14 @@ class CallerTimeout(StepTimeout):
 
     def __init__(self, step: int, timeout: float, what: str, activity: dict[str, str], **details):
         self.what = what
-        super().__init__(step, timeout, activity,
-                         f"the caller's thread did not return from {what} within {timeout:g} s (step {step}); "
-                         f"what each thread was doing:", **details)
+        super().__init__(
+            step,
+            timeout,
+            activity,
+            f"the caller's thread did not return from {what} within {timeout:g} s (step {step}); "
+            f"what each thread was doing:",
+            **details,
+        )
 
 
 class SlotError(EngineError):

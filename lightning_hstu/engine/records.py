@@ -62,14 +62,25 @@ def summarize(records: Iterable[TaskRecord], task_order: Iterable[str]) -> list[
 def _summary(task: str, runs: list[TaskRecord]) -> TaskSummary:
     ms = sorted(r.duration * 1e3 for r in runs)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return TaskSummary(task, runs[0].thread, len(runs), sum(r.skipped for r in runs),
-                       statistics.fmean(ms), statistics.median(ms), p99,
-                       statistics.fmean(r.wait * 1e3 for r in runs))
+    return TaskSummary(
+        task,
+        runs[0].thread,
+        len(runs),
+        sum(r.skipped for r in runs),
+        statistics.fmean(ms),
+        statistics.median(ms),
+        p99,
+        statistics.fmean(r.wait * 1e3 for r in runs),
+    )
 
 
 def format_summary(summaries: list[TaskSummary]) -> str:
-    header = (f"{'task':<24} {'thread':<14} {'runs':>5} {'skip':>5} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'wait ms':>8}")
-    rows = [f"{s.task:<24} {s.thread:<14} {s.count:>5} {s.skipped:>5} {s.mean_ms:>8.3f} {s.p50_ms:>8.3f} "
-            f"{s.p99_ms:>8.3f} {s.wait_ms:>8.3f}" for s in summaries]
+    header = (
+        f"{'task':<24} {'thread':<14} {'runs':>5} {'skip':>5} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'wait ms':>8}"
+    )
+    rows = [
+        f"{s.task:<24} {s.thread:<14} {s.count:>5} {s.skipped:>5} {s.mean_ms:>8.3f} {s.p50_ms:>8.3f} "
+        f"{s.p99_ms:>8.3f} {s.wait_ms:>8.3f}"
+        for s in summaries
+    ]
     return "\n".join([header, "-" * len(header), *rows])

@@ -64,16 +64,21 @@ class BatchView:
 
     def __getitem__(self, slot: str) -> Any:
         if slot not in self._task.reads:
-            raise SlotError(f"task '{self._task.name}' reads slot '{slot}' it did not declare; "
-                            f"it reads: {', '.join(self._task.reads) or 'nothing'}")
+            raise SlotError(
+                f"task '{self._task.name}' reads slot '{slot}' it did not declare; "
+                f"it reads: {', '.join(self._task.reads) or 'nothing'}"
+            )
         try:
             return self._entry.slots[slot]
         except KeyError:
-            raise SlotError(f"task '{self._task.name}' read slot '{slot}' of batch {self.index} "
-                            f"before any task wrote it") from None
+            raise SlotError(
+                f"task '{self._task.name}' read slot '{slot}' of batch {self.index} before any task wrote it"
+            ) from None
 
     def __setitem__(self, slot: str, value: Any) -> None:
         if slot not in self._task.writes:
-            raise SlotError(f"task '{self._task.name}' writes slot '{slot}' it did not declare; "
-                            f"it writes: {', '.join(self._task.writes) or 'nothing'}")
+            raise SlotError(
+                f"task '{self._task.name}' writes slot '{slot}' it did not declare; "
+                f"it writes: {', '.join(self._task.writes) or 'nothing'}"
+            )
         self._entry.slots[slot] = value

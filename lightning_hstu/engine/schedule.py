@@ -47,7 +47,8 @@ def _schedule_task(plan: Plan, task: PlanTask, body: Body | None) -> ScheduledTa
     stream_inputs = tuple(
         StreamInput(e.producer, e.kind == EdgeKind.ORD, plan.task(e.producer).lookahead, e.slots)
         for e in plan.edges
-        if e.consumer == task.name and plan.task(e.producer).stream != task.stream)
+        if e.consumer == task.name and plan.task(e.producer).stream != task.stream
+    )
     return ScheduledTask(task, body, host_waits, stream_inputs)
 
 
@@ -55,12 +56,16 @@ def _check_bodies(plan: Plan, bodies: Mapping[str, Body | None]) -> None:
     names = [t.name for t in plan.tasks]
     unknown = [n for n in bodies if n not in names]
     if unknown:
-        raise PlanError(f"bodies name unknown task{'s' if len(unknown) > 1 else ''} "
-                        f"{', '.join(map(repr, unknown))}; tasks are: {', '.join(names)}")
+        raise PlanError(
+            f"bodies name unknown task{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; tasks are: {', '.join(names)}"
+        )
     missing = [n for n in names if n not in bodies]
     if missing:
-        raise PlanError(f"no body for task{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
-                        f" (give None for a task that has nothing to do)")
+        raise PlanError(
+            f"no body for task{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
+            f" (give None for a task that has nothing to do)"
+        )
     for name, body in bodies.items():
         if body is not None and not callable(body):
             raise PlanError(f"body of task '{name}' must be callable or None, got {type(body).__name__}")

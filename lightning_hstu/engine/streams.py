@@ -35,8 +35,12 @@ class CudaStreams:
         device = torch.device(device)
         # Workers call set_device, which needs an index: "cuda" means the caller's current device.
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self._streams = {s: (torch.cuda.current_stream(self.device) if s == Stream.DEFAULT
-                             else torch.cuda.Stream(device=self.device)) for s in Stream}
+        self._streams = {
+            s: (
+                torch.cuda.current_stream(self.device) if s == Stream.DEFAULT else torch.cuda.Stream(device=self.device)
+            )
+            for s in Stream
+        }
 
     def enter_thread(self) -> None:
         self._torch.cuda.set_device(self.device)

@@ -135,8 +135,9 @@ class Watchdog:
 
     def watch(self, kind: WatchKind, step: int, what: str, **details: Any) -> "_Watching":
         """Time the block with the step timeout. A timeout reported meanwhile is raised when it ends."""
-        return _Watching(self, Watch(kind, step, what, threading.current_thread(), monotonic() + self.timeout,
-                                     **details))
+        return _Watching(
+            self, Watch(kind, step, what, threading.current_thread(), monotonic() + self.timeout, **details)
+        )
 
     def _open(self, watch: Watch) -> int:
         key = next(self._keys)
@@ -188,8 +189,12 @@ class Watchdog:
         try:
             error = self._report(watch)
         except BaseException as exc:  # a report that fails must not keep the process from ending
-            error = StepTimeout(watch.step, self.timeout, {"caller": watch.what},
-                                f"step {watch.step}: the watchdog could not build its report ({exc!r})")
+            error = StepTimeout(
+                watch.step,
+                self.timeout,
+                {"caller": watch.what},
+                f"step {watch.step}: the watchdog could not build its report ({exc!r})",
+            )
         expiry = self._expiry = _Expiry(error, watch)
         actions = self.actions
         if actions.end_process:

@@ -30,7 +30,7 @@ def karmarkar_karp(costs: Sequence[int], parts: int) -> list[list[int]]:
     # heaviest set of one with the lightest of the other.
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
     for tie, start in enumerate(range(0, len(order), parts)):
-        sets = [(costs[i], [i]) for i in order[start:start + parts]]
+        sets = [(costs[i], [i]) for i in order[start : start + parts]]
         heapq.heappush(heap, (-_spread(sets), tie, sets))
     tie = len(heap)
     while len(heap) > 1:

@@ -76,8 +76,11 @@ class IdError(ValueError):
     it up as row 0 and train on."""
 
 
-def check_ids(features: KeyedJaggedTensor, rows: Mapping[str, int],
-              sample_name: Callable[[int], str] = lambda sample: f"sample {sample}") -> None:
+def check_ids(
+    features: KeyedJaggedTensor,
+    rows: Mapping[str, int],
+    sample_name: Callable[[int], str] = lambda sample: f"sample {sample}",
+) -> None:
     """Raise ``IdError`` for the first id of a feature named in ``rows`` (feature -> its table's row count)
     that is outside ``0 .. rows - 1``, naming the feature, the id, the sample and the table size.
 
@@ -95,8 +98,10 @@ def check_ids(features: KeyedJaggedTensor, rows: Mapping[str, int],
             continue
         position = int(outside.nonzero()[0])
         sample = int(torch.searchsorted(torch.cumsum(lengths[k], 0), position, right=True))
-        raise IdError(f"feature '{key}' has id {int(per_key[k][position])} ({sample_name(sample)}), outside its "
-                      f"embedding table of {size} rows (valid ids: 0 to {size - 1})")
+        raise IdError(
+            f"feature '{key}' has id {int(per_key[k][position])} ({sample_name(sample)}), outside its "
+            f"embedding table of {size} rows (valid ids: 0 to {size - 1})"
+        )
 
 
 def check_table_sizes(model: Mapping[str, int], data: Mapping[str, int]) -> None:
@@ -104,6 +109,8 @@ def check_table_sizes(model: Mapping[str, int], data: Mapping[str, int]) -> None
     ``model`` and ``data`` map each setting to the model's and the data's value."""
     for name, size in model.items():
         if size < data[name]:
-            raise IdError(f"{name}={size} is smaller than the data's {name} ({data[name]}): its largest ids would "
-                          f"fall outside the embedding table; set {name} to at least {data[name]}, or leave it "
-                          f"unset to take the data's")
+            raise IdError(
+                f"{name}={size} is smaller than the data's {name} ({data[name]}): its largest ids would "
+                f"fall outside the embedding table; set {name} to at least {data[name]}, or leave it "
+                f"unset to take the data's"
+            )

@@ -32,11 +32,14 @@ class MegatronDenseGrads:
             raise RuntimeError("megatron-core's DistributedDataParallel needs torch.distributed initialised")
         if not parallel_state.model_parallel_is_initialized():
             # data parallel over every rank; its groups time out like the strategy's (whole minutes here)
-            minutes = {} if timeout is None else {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)}
+            minutes = (
+                {} if timeout is None else {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)}
+            )
             parallel_state.initialize_model_parallel(1, 1, **minutes)
         # megatron asks for a TransformerConfig, of which DDP reads only generic fields
-        config = TransformerConfig(num_layers=1, hidden_size=1, num_attention_heads=1,
-                                   cuda_graph_scope=[])  # [] means the whole layer; its default "full" is deprecated
+        config = TransformerConfig(
+            num_layers=1, hidden_size=1, num_attention_heads=1, cuda_graph_scope=[]
+        )  # [] means the whole layer; its default "full" is deprecated
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, bucket_size=bucket_size)
         device = next(module.parameters()).device
         with _buffers_on(device):

@@ -56,8 +56,12 @@ class GraphedMethod:
                 self._samples[signature] = tuple(_sample(a) for a in args)
             if len(self.graphs) >= self.max_graphs and signature not in self._told:
                 self._told.add(signature)
-                log.warning("%s: inputs %s are not captured (%d graphs already): running eagerly", self.name,
-                            _describe(signature), len(self.graphs))
+                log.warning(
+                    "%s: inputs %s are not captured (%d graphs already): running eagerly",
+                    self.name,
+                    _describe(signature),
+                    len(self.graphs),
+                )
         return getattr(self.module, self.method)(*args)
 
     def pending(self) -> list[Signature]:
@@ -74,7 +78,8 @@ class GraphedMethod:
             parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self.module.parameters())
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
                 self.graphs[signature] = torch.cuda.make_graphed_callables(
-                    call, (*self._samples.pop(signature), *parameters), num_warmup_iters=self.warmup)
+                    call, (*self._samples.pop(signature), *parameters), num_warmup_iters=self.warmup
+                )
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
@@ -98,9 +103,12 @@ class _Call(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, *args):
-        inputs, parameters = args[: len(args) - len(self._names)], args[len(args) - len(self._names):]
-        autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # graphs: no cache
-                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        inputs, parameters = args[: len(args) - len(self._names)], args[len(args) - len(self._names) :]
+        autocast = (
+            torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)  # graphs: no cache
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
             return torch.func.functional_call(self._bound[0], dict(zip(self._names, parameters)), inputs)
 

@@ -8,10 +8,22 @@ from .tasks import HSTU_TASK_NAMES, hstu_tasks
 
 CASCADES: Mapping[str, Mapping[str, int]] = {
     # Tasks not named run at lookahead 0 (this step's batch).
-    "d3": {"h2d": 2, "start_shuffle": 2, "finish_shuffle": 2,
-           "start_input_dist": 1, "wait_input_dist": 1, "prefetch_embeddings": 1},
-    "d6": {"h2d": 5, "start_shuffle": 4, "finish_shuffle": 3,
-           "start_input_dist": 3, "wait_input_dist": 2, "prefetch_embeddings": 1},
+    "d3": {
+        "h2d": 2,
+        "start_shuffle": 2,
+        "finish_shuffle": 2,
+        "start_input_dist": 1,
+        "wait_input_dist": 1,
+        "prefetch_embeddings": 1,
+    },
+    "d6": {
+        "h2d": 5,
+        "start_shuffle": 4,
+        "finish_shuffle": 3,
+        "start_input_dist": 3,
+        "wait_input_dist": 2,
+        "prefetch_embeddings": 1,
+    },
 }
 
 _IO = ("h2d", "start_shuffle", "finish_shuffle")
@@ -59,16 +71,16 @@ PRESET_NOTES: Mapping[str, str] = {
     # legacy_none in the same run (2026-11-30; 2026-12-01); "2 GPUs" drives the engine directly on two H200
     # with the balanced shuffler (2026-11-30). Run-to-run noise on those machines is about +-20%.
     "legacy_none": "the reference: light 15.9; 22.1 ms/step, no threaded preset beats it reliably there (the step "
-                   "is host-bound, threads share one GIL); 2 GPUs 27.2 ms, the shuffle serial with the step",
+    "is host-bound, threads share one GIL); 2 GPUs 27.2 ms, the shuffle serial with the step",
     "default_d3": "light +9%; +5%",
     "by_stream_d3": "light +8% (2026-11-30)",
     "per_task_d3": "light +29%; +1% (and +17% driven directly): 14 threads take turns on the GIL every step; "
-                   "2 GPUs -1%",
+    "2 GPUs -1%",
     "io_prefetch_compute_d3": "light +2% (2026-11-30)",
     "io_data_dist_compute_d3": "light +1% (2026-11-30)",
     "full_split_d3": "light +11% (2026-11-30)",
     "default_d6": "light +11%; -6%; with capture_graphs=True the fastest of both runs (10.6; 12.0 ms/step); "
-                  "2 GPUs -12% (the shuffle on the io thread)",
+    "2 GPUs -12% (the shuffle on the io thread)",
     "full_split_d6": "light +15%; -7%; 2 GPUs -19% driven directly, but +17% through the Trainer",
 }
 """Measured strengths and weaknesses of each preset, one line each (``lightning-hstu presets -v``)."""
@@ -110,9 +122,13 @@ def resolve_plan(
     preset_cascade, preset_thread_map = preset_parts(preset)
     if cascade is None and thread_map is None and ticket_order is None:
         return get_plan(preset, prefetch=prefetch, capturable=capturable)
-    return make_plan(preset_cascade if cascade is None else cascade,
-                     preset_thread_map if thread_map is None else thread_map, prefetch,
-                     ticket_order=ticket_order, capturable=capturable)
+    return make_plan(
+        preset_cascade if cascade is None else cascade,
+        preset_thread_map if thread_map is None else thread_map,
+        prefetch,
+        ticket_order=ticket_order,
+        capturable=capturable,
+    )
 
 
 def make_plan(
@@ -135,8 +151,9 @@ def make_plan(
     """
     if isinstance(cascade, str):
         if cascade not in CASCADES:
-            raise PlanError(f"unknown cascade {cascade!r}; valid cascades: {', '.join(CASCADES)} "
-                            f"or a mapping task -> lookahead")
+            raise PlanError(
+                f"unknown cascade {cascade!r}; valid cascades: {', '.join(CASCADES)} or a mapping task -> lookahead"
+            )
         lookahead, cascade_label = CASCADES[cascade], cascade
     else:
         lookahead, cascade_label = cascade, "custom"
@@ -144,8 +161,17 @@ def make_plan(
         thread_map = None
     elif isinstance(thread_map, str):
         if thread_map not in THREAD_MAPS:
-            raise PlanError(f"unknown thread map {thread_map!r}; valid thread maps: {', '.join(THREAD_MAPS)}, "
-                            f"{NO_THREAD_MAP!r} or None (legacy) or a mapping task -> thread")
+            raise PlanError(
+                f"unknown thread map {thread_map!r}; valid thread maps: {', '.join(THREAD_MAPS)}, "
+                f"{NO_THREAD_MAP!r} or None (legacy) or a mapping task -> thread"
+            )
         thread_map = THREAD_MAPS[thread_map]
-    return build_plan(hstu_tasks(prefetch), lookahead, thread_map, ticket_order=ticket_order,
-                      name=name, cascade=cascade_label, capturable=capturable)
+    return build_plan(
+        hstu_tasks(prefetch),
+        lookahead,
+        thread_map,
+        ticket_order=ticket_order,
+        name=name,
+        cascade=cascade_label,
+        capturable=capturable,
+    )

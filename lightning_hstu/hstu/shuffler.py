@@ -49,8 +49,10 @@ class BalancedShuffler:
         if not self.active:
             return PendingShuffle(batch, [costs])
         if batch.size != self.local_batch_size:
-            raise ValueError(f"balanced shuffling needs batches of local_batch_size={self.local_batch_size} "
-                             f"samples on every rank, got {batch.size} (use drop_last=True, or disable it)")
+            raise ValueError(
+                f"balanced shuffling needs batches of local_batch_size={self.local_batch_size} "
+                f"samples on every rank, got {batch.size} (use drop_last=True, or disable it)"
+            )
         gathered = [torch.empty_like(costs) for _ in range(self.world)]
         work = dist.all_gather(gathered, costs, group=self.group, async_op=True)
         return PendingShuffle(batch, gathered, work)

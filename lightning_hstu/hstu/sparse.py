@@ -38,16 +38,25 @@ class InputDist:
 class ShardedEmbeddings(torch.nn.Module):
     """Embedding tables sharded row-wise over every rank, updated by a fused optimizer during backward."""
 
-    def __init__(self, tables: Sequence[EmbeddingConfig], device: torch.device, *,
-                 optimizer: type[torch.optim.Optimizer] = torch.optim.SGD, optimizer_kwargs: dict | None = None,
-                 sharding_type: ShardingType = ShardingType.ROW_WISE, cache_load_factor: float | None = None):
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingConfig],
+        device: torch.device,
+        *,
+        optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
+        optimizer_kwargs: dict | None = None,
+        sharding_type: ShardingType = ShardingType.ROW_WISE,
+        cache_load_factor: float | None = None,
+    ):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShardedEmbeddings needs torch.distributed initialised (the strategy does it)")
         if cache_load_factor is not None and (device.type != "cuda" or not 0 < cache_load_factor <= 1):
-            raise ValueError(f"cache_load_factor={cache_load_factor!r} on {device}: an embedding cache keeps a "
-                             f"fraction (0, 1] of each table in GPU memory, the rest in host memory (UVM), "
-                             f"with fbgemm-gpu's CUDA kernels; use None on CPU")
+            raise ValueError(
+                f"cache_load_factor={cache_load_factor!r} on {device}: an embedding cache keeps a "
+                f"fraction (0, 1] of each table in GPU memory, the rest in host memory (UVM), "
+                f"with fbgemm-gpu's CUDA kernels; use None on CPU"
+            )
         collection = EmbeddingCollection(tables=list(tables), device=torch.device("meta"))
         apply_optimizer_in_backward(optimizer, collection.parameters(), optimizer_kwargs or {"lr": 0.05})
         world = dist.get_world_size()
@@ -56,11 +65,16 @@ class ShardedEmbeddings(torch.nn.Module):
             # a fixed share of each device's memory kept for the dense part and activations: TorchRec's
             # default (heuristic) reservation estimates the dense tensors, and says it misjudges them
             storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
-            constraints={t.name: _constraints(sharding_type, cache_load_factor) for t in tables})
+            constraints={t.name: _constraints(sharding_type, cache_load_factor) for t in tables},
+        )
         plan = planner.collective_plan(collection, [EmbeddingCollectionSharder()], dist.GroupMember.WORLD)
         self.model_parallel = DistributedModelParallel(
-            collection, device=device, plan=plan, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-            init_data_parallel=False)  # dense gradients are megatron-core's business, not torch DDP's
+            collection,
+            device=device,
+            plan=plan,
+            env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+            init_data_parallel=False,
+        )  # dense gradients are megatron-core's business, not torch DDP's
         self._register_load_state_dict_pre_hook(_unwrapped_keys_to_wrapped)
         self.rows = {feature: t.num_embeddings for t in tables for feature in t.feature_names}
         """Each feature's table size: ids must be in ``0 .. rows - 1``."""
@@ -87,10 +101,12 @@ class ShardedEmbeddings(torch.nn.Module):
         """All phases at once (evaluation, or outside the engine)."""
         if self._prefetched:
             # fbgemm's lookup takes the oldest prefetched cache locations, whichever batch it looks up
-            raise RuntimeError(f"an embedding lookup outside the engine while {self._prefetched} prefetched "
-                               f"training batch(es) wait for theirs: the embedding cache would give it their "
-                               f"rows. With cache_load_factor set, validate at the end of an epoch "
-                               f"(val_check_interval=1.0), or use cache_load_factor=None")
+            raise RuntimeError(
+                f"an embedding lookup outside the engine while {self._prefetched} prefetched "
+                f"training batch(es) wait for theirs: the embedding cache would give it their "
+                f"rows. With cache_load_factor set, validate at the end of an epoch "
+                f"(val_check_interval=1.0), or use cache_load_factor=None"
+            )
         self._check_ids(features)
         return self.model_parallel(features)
 
@@ -138,8 +154,9 @@ def _topology(world: int, compute_device: str) -> Topology:
         from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     except ImportError:  # an older TorchRec: no factory
         return Topology(world_size=world, compute_device=compute_device)
-    return TopologyFactory.create_topology(trainer_config=TrainerConfig(world_size=world),
-                                           kernel_config=KernelConfig(compute_device=compute_device))
+    return TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=world), kernel_config=KernelConfig(compute_device=compute_device)
+    )
 
 
 def _constraints(sharding_type: ShardingType, cache_load_factor: float | None) -> ParameterConstraints:
@@ -149,10 +166,12 @@ def _constraints(sharding_type: ShardingType, cache_load_factor: float | None) -
         return ParameterConstraints(sharding_types=[sharding_type.value], bounds_check_mode=BoundsCheckMode.FATAL)
     # prefetch_pipeline: fbgemm keeps the rows of prefetched batches locked in the cache until their
     # backward, so the prefetch of the next batch may run before this one's backward.
-    return ParameterConstraints(sharding_types=[sharding_type.value],
-                                compute_kernels=[EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
-                                cache_params=CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True),
-                                bounds_check_mode=BoundsCheckMode.FATAL)
+    return ParameterConstraints(
+        sharding_types=[sharding_type.value],
+        compute_kernels=[EmbeddingComputeKernel.FUSED_UVM_CACHING.value],
+        cache_params=CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True),
+        bounds_check_mode=BoundsCheckMode.FATAL,
+    )
 
 
 def _unwrapped_keys_to_wrapped(state_dict, prefix, *args) -> None:
@@ -161,4 +180,4 @@ def _unwrapped_keys_to_wrapped(state_dict, prefix, *args) -> None:
     Lightning does), the sharded collection's hooks look for ``model_parallel._dmp_wrapped_module....``."""
     outer, inner = f"{prefix}model_parallel.", f"{prefix}model_parallel._dmp_wrapped_module."
     for key in [k for k in state_dict if k.startswith(outer) and not k.startswith(inner)]:
-        state_dict[inner + key[len(outer):]] = state_dict.pop(key)
+        state_dict[inner + key[len(outer) :]] = state_dict.pop(key)

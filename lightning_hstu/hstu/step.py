@@ -33,8 +33,9 @@ def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
     return dist.get_world_size() / tokens
 
 
-def dense_losses(objectives: nn.Module, batch: HSTUBatch, embeddings,
-                 graphed: GraphedMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_losses(
+    objectives: nn.Module, batch: HSTUBatch, embeddings, graphed: GraphedMethod | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs of
     static shapes: padded to the model's length, or jagged with a token capacity) when given."""
     if graphed is None:
@@ -42,8 +43,9 @@ def dense_losses(objectives: nn.Module, batch: HSTUBatch, embeddings,
     return graphed(*objectives.dense_inputs(batch, embeddings, static=True))
 
 
-def global_token_loss(objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor,
-                      graphed: GraphedMethod | None = None) -> torch.Tensor:
+def global_token_loss(
+    objectives: nn.Module, batch: HSTUBatch, embeddings, tokens: torch.Tensor, graphed: GraphedMethod | None = None
+) -> torch.Tensor:
     """The rank's loss, scaled by ``global_token_scale``, as ``HSTURecommender.training_step`` computes it."""
     retrieval, ranking = dense_losses(objectives, batch, embeddings, graphed)
     return (retrieval + ranking) * global_token_scale(tokens)

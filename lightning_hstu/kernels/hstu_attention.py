@@ -36,8 +36,9 @@ import triton.language as tl
 @triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
     if FAST:  # one MUFU op (tanh.approx, about 11 bits) instead of an exponential and a reciprocal
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1
+        )
         return 0.5 * t + 0.5
     else:
         return 1.0 / (1.0 + tl.exp(tl.minimum(-x, 80.0)))  # exp(80) is finite in fp32: no overflow
@@ -56,17 +57,29 @@ def _bucket_range(ts_i, i_ok, ts_j, j_ok, num_buckets):
     from the diagonal a tile's gaps usually share one bucket (log2 buckets are wide there): the tile's time
     bias is then one number."""
     ti_min = tl.min(tl.where(i_ok, ts_i, 2**62))
-    ti_max = tl.max(tl.where(i_ok, ts_i, -2**62))
+    ti_max = tl.max(tl.where(i_ok, ts_i, -(2**62)))
     tj_min = tl.min(tl.where(j_ok, ts_j, 2**62))
-    tj_max = tl.max(tl.where(j_ok, ts_j, -2**62))
+    tj_max = tl.max(tl.where(j_ok, ts_j, -(2**62)))
     lowest = tl.maximum(tl.maximum(ti_min - tj_max, tj_min - ti_max), 0)
     highest = tl.maximum(ti_max - tj_min, tj_max - ti_min)
     return _bucket(lowest, num_buckets), _bucket(highest, num_buckets)
 
 
 @triton.jit
-def _bias(i, j, ts_i, ts_j, low, high, position_table, time_table, num_positions, num_buckets,
-          MASKED: tl.constexpr, CLAMP: tl.constexpr):
+def _bias(
+    i,
+    j,
+    ts_i,
+    ts_j,
+    low,
+    high,
+    position_table,
+    time_table,
+    num_positions,
+    num_buckets,
+    MASKED: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
     """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket (``low`` and ``high``:
     the tile's bucket range). In a tile off the diagonal (not ``MASKED``) every distance i - j lies in
     [1, num_positions) unless ``CLAMP``: the position entries are then read at addresses affine in i and j
@@ -125,10 +138,31 @@ def _sequence(offsets, seq):
 
 
 @triton.jit
-def _query_tile(q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn, num_positions,
-                num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
-                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr,
-                CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_tile(
+    q,
+    ts_i,
+    rows,
+    key,
+    K,
+    V,
+    ts,
+    position_table,
+    time_table,
+    n,
+    stride_kn,
+    stride_vn,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, the [queries, keys]
     scores (bias included) with their sigmoid, each pair's time bucket, and the tile's bucket range."""
     cols = key + tl.arange(0, BLOCK_N)
@@ -137,20 +171,76 @@ def _query_tile(q, ts_i, rows, key, K, V, ts, position_table, time_table, n, str
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
     low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
-    bias, bucket = _bias(rows[:, None], cols[None, :], ts_i[:, None], ts_j[None, :], low, high, position_table,
-                         time_table, num_positions, num_buckets, MASKED, CLAMP)
+    bias, bucket = _bias(
+        rows[:, None],
+        cols[None, :],
+        ts_i[:, None],
+        ts_j[None, :],
+        low,
+        high,
+        position_table,
+        time_table,
+        num_positions,
+        num_buckets,
+        MASKED,
+        CLAMP,
+    )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     return cols, k, v, s, _sigmoid(s, FAST), bucket, low, high
 
 
 @triton.jit
-def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-              num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
-              BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-              FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr):
-    cols, k, v, s, sig, _, _, _ = _query_tile(q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn,
-                                              stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM,
-                                              BLOCK_A, BLOCK_D, MASKED, PRECISION, FAST, CLAMP, BLOCK_N)
+def _fwd_tile(
+    acc,
+    q,
+    ts_i,
+    rows,
+    key,
+    K,
+    V,
+    ts,
+    position_table,
+    time_table,
+    n,
+    stride_kn,
+    stride_vn,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols, k, v, s, sig, _, _, _ = _query_tile(
+        q,
+        ts_i,
+        rows,
+        key,
+        K,
+        V,
+        ts,
+        position_table,
+        time_table,
+        n,
+        stride_kn,
+        stride_vn,
+        num_positions,
+        num_buckets,
+        ATTENTION_DIM,
+        HIDDEN_DIM,
+        BLOCK_A,
+        BLOCK_D,
+        MASKED,
+        PRECISION,
+        FAST,
+        CLAMP,
+        BLOCK_N,
+    )
     p = s * sig
     if MASKED:
         p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
@@ -158,12 +248,35 @@ def _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, 
 
 
 @triton.jit
-def _hstu_fwd(Q, K, V, Out, offsets, timestamps, position_table, time_table,
-              stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-              num_positions, num_buckets,
-              ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-              PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _hstu_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    offsets,
+    timestamps,
+    position_table,
+    time_table,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most keys) start first
     seq, head = tl.program_id(1), tl.program_id(2)
     start, n = _sequence(offsets, seq)
@@ -180,20 +293,80 @@ def _hstu_fwd(Q, K, V, Out, offsets, timestamps, position_table, time_table,
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for key in range(0, first, BLOCK_N):  # keys before the block: every pair is causal
-        acc = _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-                        num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION,
-                        FAST, CLAMP, BLOCK_N)
+        acc = _fwd_tile(
+            acc,
+            q,
+            ts_i,
+            rows,
+            key,
+            K,
+            V,
+            ts,
+            position_table,
+            time_table,
+            n,
+            stride_kn,
+            stride_vn,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            False,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BLOCK_N,
+        )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):  # the diagonal: masked
-        acc = _fwd_tile(acc, q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn,
-                        num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION,
-                        FAST, CLAMP, BLOCK_N)
-    _store_rows(Out + start * stride_on + head * stride_oh, rows, row_ok, stride_on, acc / n.to(tl.float32),
-                HIDDEN_DIM, BLOCK_D)
+        acc = _fwd_tile(
+            acc,
+            q,
+            ts_i,
+            rows,
+            key,
+            K,
+            V,
+            ts,
+            position_table,
+            time_table,
+            n,
+            stride_kn,
+            stride_vn,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            True,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BLOCK_N,
+        )
+    _store_rows(
+        Out + start * stride_on + head * stride_oh, rows, row_ok, stride_on, acc / n.to(tl.float32), HIDDEN_DIM, BLOCK_D
+    )
 
 
 @triton.jit
-def _bias_grads(ds, bucket, low, high, base, d_position, d_time, scale, num_positions, KEYS_FIRST: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+def _bias_grads(
+    ds,
+    bucket,
+    low,
+    high,
+    base,
+    d_position,
+    d_time,
+    scale,
+    num_positions,
+    KEYS_FIRST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+):
     """Adds a tile's score gradients ``ds`` to the bias tables' gradients: per position entry the sum over
     a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), per time bucket the sum over
     the pairs in it. ``ds`` is [keys, queries] if ``KEYS_FIRST`` else [queries, keys]."""
@@ -206,8 +379,12 @@ def _bias_grads(ds, bucket, low, high, base, d_position, d_time, scale, num_posi
         skew_ok = (skew >= 0) & (skew < BLOCK_N)
     per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
     distance = base + diagonal - (BLOCK_N - 1)
-    tl.atomic_add(d_position + tl.minimum(distance, num_positions - 1), per_diagonal * scale,
-                  mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1), sem="relaxed")
+    tl.atomic_add(
+        d_position + tl.minimum(distance, num_positions - 1),
+        per_diagonal * scale,
+        mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1),
+        sem="relaxed",
+    )
     if low == high:  # one bucket for the whole tile (usual away from the diagonal)
         tl.atomic_add(d_time + low, tl.sum(ds) * scale, sem="relaxed")
     else:
@@ -216,11 +393,41 @@ def _bias_grads(ds, bucket, low, high, base, d_position, d_time, scale, num_posi
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
-               time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets,
-               ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASKED: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
-               BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    ts_j,
+    cols,
+    row,
+    first,
+    Q,
+    dOut,
+    ts,
+    d_position,
+    d_time,
+    position_table,
+    time_table,
+    n,
+    inv_n,
+    stride_qn,
+    stride_don,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BIAS_GRADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -228,8 +435,20 @@ def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_
     do = _rows(dOut, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)  # [M, D], zero past the end
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
     low, high = _bucket_range(ts_i, row_ok, ts_j, cols < n, num_buckets)
-    bias, bucket = _bias(rows[None, :], cols[:, None], ts_i[None, :], ts_j[:, None], low, high, position_table,
-                         time_table, num_positions, num_buckets, MASKED, CLAMP)
+    bias, bucket = _bias(
+        rows[None, :],
+        cols[:, None],
+        ts_i[None, :],
+        ts_j[:, None],
+        low,
+        high,
+        position_table,
+        time_table,
+        num_positions,
+        num_buckets,
+        MASKED,
+        CLAMP,
+    )
     s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
     sig = _sigmoid(s, FAST)
     p = s * sig
@@ -242,18 +461,52 @@ def _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
     if BIAS_GRADS:
-        _bias_grads(ds, bucket, low, high, row - first, d_position, d_time, inv_n, num_positions, True, BLOCK_M,
-                    BLOCK_N, SKEW)
+        _bias_grads(
+            ds, bucket, low, high, row - first, d_position, d_time, inv_n, num_positions, True, BLOCK_M, BLOCK_N, SKEW
+        )
     return dk, dv
 
 
 @triton.jit
-def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamps, position_table, time_table,
-                   stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
-                   stride_dkn, stride_dkh, stride_dvn, stride_dvh, num_positions, num_buckets,
-                   ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr,
-                   BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+def _hstu_bwd_dkdv(
+    Q,
+    K,
+    V,
+    dOut,
+    dK,
+    dV,
+    d_position,
+    d_time,
+    offsets,
+    timestamps,
+    position_table,
+    time_table,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_don,
+    stride_doh,
+    stride_dkn,
+    stride_dkh,
+    stride_dvn,
+    stride_dvh,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BIAS_GRADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_N
@@ -273,46 +526,190 @@ def _hstu_bwd_dkdv(Q, K, V, dOut, dK, dV, d_position, d_time, offsets, timestamp
     low = (first // BLOCK_M) * BLOCK_M
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
-        dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
-                            time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
-                            HIDDEN_DIM, BLOCK_A, BLOCK_D, True, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N,
-                            SKEW)
+        dk, dv = _dkdv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            ts_j,
+            cols,
+            row,
+            first,
+            Q,
+            dOut,
+            ts,
+            d_position,
+            d_time,
+            position_table,
+            time_table,
+            n,
+            inv_n,
+            stride_qn,
+            stride_don,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            True,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BIAS_GRADS,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+        )
     for row in range(unmasked, n, BLOCK_M):
-        dk, dv = _dkdv_tile(dk, dv, k, v, ts_j, cols, row, first, Q, dOut, ts, d_position, d_time, position_table,
-                            time_table, n, inv_n, stride_qn, stride_don, num_positions, num_buckets, ATTENTION_DIM,
-                            HIDDEN_DIM, BLOCK_A, BLOCK_D, False, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N,
-                            SKEW)
-    _store_rows(dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM,
-                BLOCK_A)
-    _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM,
-                BLOCK_D)
+        dk, dv = _dkdv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            ts_j,
+            cols,
+            row,
+            first,
+            Q,
+            dOut,
+            ts,
+            d_position,
+            d_time,
+            position_table,
+            time_table,
+            n,
+            inv_n,
+            stride_qn,
+            stride_don,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            False,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BIAS_GRADS,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+        )
+    _store_rows(
+        dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
+    )
+    _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM, BLOCK_D)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n, inv_n,
-             stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr,
-             BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-             FAST: tl.constexpr, CLAMP: tl.constexpr, BIAS_GRADS: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+def _dq_tile(
+    dq,
+    q,
+    do,
+    ts_i,
+    rows,
+    first,
+    key,
+    K,
+    V,
+    ts,
+    d_position,
+    d_time,
+    position_table,
+    time_table,
+    n,
+    inv_n,
+    stride_kn,
+    stride_vn,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BIAS_GRADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+):
     cols, k, v, s, sig, bucket, low, high = _query_tile(
-        q, ts_i, rows, key, K, V, ts, position_table, time_table, n, stride_kn, stride_vn, num_positions,
-        num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A, BLOCK_D, MASKED, PRECISION, FAST, CLAMP, BLOCK_N)
+        q,
+        ts_i,
+        rows,
+        key,
+        K,
+        V,
+        ts,
+        position_table,
+        time_table,
+        n,
+        stride_kn,
+        stride_vn,
+        num_positions,
+        num_buckets,
+        ATTENTION_DIM,
+        HIDDEN_DIM,
+        BLOCK_A,
+        BLOCK_D,
+        MASKED,
+        PRECISION,
+        FAST,
+        CLAMP,
+        BLOCK_N,
+    )
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if MASKED:
         ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
     if BIAS_GRADS:
-        _bias_grads(ds, bucket, low, high, first - key, d_position, d_time, inv_n, num_positions, False, BLOCK_M,
-                    BLOCK_N, SKEW)
+        _bias_grads(
+            ds, bucket, low, high, first - key, d_position, d_time, inv_n, num_positions, False, BLOCK_M, BLOCK_N, SKEW
+        )
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
 
 @triton.jit
-def _hstu_bwd_dq(Q, K, V, dOut, dQ, d_position, d_time, offsets, timestamps, position_table, time_table,
-                 stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_don, stride_doh,
-                 stride_dqn, stride_dqh, num_positions, num_buckets,
-                 ATTENTION_DIM: tl.constexpr, HIDDEN_DIM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PRECISION: tl.constexpr, FAST: tl.constexpr, CLAMP: tl.constexpr, BIAS_GRADS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr):
+def _hstu_bwd_dq(
+    Q,
+    K,
+    V,
+    dOut,
+    dQ,
+    d_position,
+    d_time,
+    offsets,
+    timestamps,
+    position_table,
+    time_table,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_don,
+    stride_doh,
+    stride_dqn,
+    stride_dqh,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    HIDDEN_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BIAS_GRADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
     start, n = _sequence(offsets, seq)
@@ -330,15 +727,78 @@ def _hstu_bwd_dq(Q, K, V, dOut, dQ, d_position, d_time, offsets, timestamps, pos
     dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
     inv_n = 1.0 / n.to(tl.float32)
     for key in range(0, first, BLOCK_N):
-        dq = _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n,
-                      inv_n, stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A,
-                      BLOCK_D, False, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N, SKEW)
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            ts_i,
+            rows,
+            first,
+            key,
+            K,
+            V,
+            ts,
+            d_position,
+            d_time,
+            position_table,
+            time_table,
+            n,
+            inv_n,
+            stride_kn,
+            stride_vn,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            False,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BIAS_GRADS,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+        )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
-        dq = _dq_tile(dq, q, do, ts_i, rows, first, key, K, V, ts, d_position, d_time, position_table, time_table, n,
-                      inv_n, stride_kn, stride_vn, num_positions, num_buckets, ATTENTION_DIM, HIDDEN_DIM, BLOCK_A,
-                      BLOCK_D, True, PRECISION, FAST, CLAMP, BIAS_GRADS, BLOCK_M, BLOCK_N, SKEW)
-    _store_rows(dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n,
-                ATTENTION_DIM, BLOCK_A)
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            ts_i,
+            rows,
+            first,
+            key,
+            K,
+            V,
+            ts,
+            d_position,
+            d_time,
+            position_table,
+            time_table,
+            n,
+            inv_n,
+            stride_kn,
+            stride_vn,
+            num_positions,
+            num_buckets,
+            ATTENTION_DIM,
+            HIDDEN_DIM,
+            BLOCK_A,
+            BLOCK_D,
+            True,
+            PRECISION,
+            FAST,
+            CLAMP,
+            BIAS_GRADS,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+        )
+    _store_rows(
+        dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
+    )
 
 
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
@@ -350,18 +810,25 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
     if dtype == torch.float32:
-        return {"fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-                "dkdv": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-                "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2), "bias_grads": "dq"}
-    return {"fwd": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2), "bias_grads": "dq"}
+        return {
+            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            "dkdv": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            "bias_grads": "dq",
+        }
+    return {
+        "fwd": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        "bias_grads": "dq",
+    }
 
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
     if configs["bias_grads"] not in ("dkdv", "dq"):
-        raise ValueError(f"bias_grads must name the kernel that sums the bias gradients (dkdv or dq), got "
-                         f"{configs['bias_grads']!r}")
+        raise ValueError(
+            f"bias_grads must name the kernel that sums the bias gradients (dkdv or dq), got {configs['bias_grads']!r}"
+        )
     for kind in ("fwd", "dq"):  # their unmasked key blocks end where the query block starts
         if configs[kind]["BLOCK_M"] % configs[kind]["BLOCK_N"]:
             raise ValueError(f"{kind}: BLOCK_N must divide BLOCK_M, got {configs[kind]}")
@@ -371,23 +838,35 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
 def _sizes(q: torch.Tensor, v: torch.Tensor, position: torch.Tensor, time: torch.Tensor, max_len: int) -> dict:
     block_a = max(16, triton.next_power_of_2(q.shape[-1]))
     block_d = max(16, triton.next_power_of_2(v.shape[-1]))
-    return dict(ATTENTION_DIM=q.shape[-1], HIDDEN_DIM=v.shape[-1], BLOCK_A=block_a, BLOCK_D=block_d,
-                num_positions=position.numel(), num_buckets=time.numel(),
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                FAST=q.dtype != torch.float32 and q.is_cuda,  # approximate sigmoid for 16-bit inputs only
-                CLAMP=max_len > position.numel())  # distances can pass the position table's last entry
+    return dict(
+        ATTENTION_DIM=q.shape[-1],
+        HIDDEN_DIM=v.shape[-1],
+        BLOCK_A=block_a,
+        BLOCK_D=block_d,
+        num_positions=position.numel(),
+        num_buckets=time.numel(),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FAST=q.dtype != torch.float32 and q.is_cuda,  # approximate sigmoid for 16-bit inputs only
+        CLAMP=max_len > position.numel(),
+    )  # distances can pass the position table's last entry
 
 
 def _check(q, k, v, offsets, timestamps, position, time):
     if not (q.dim() == k.dim() == v.dim() == 3 and q.shape[:2] == k.shape[:2] == v.shape[:2]):
-        raise ValueError(f"q, k, v must be [tokens, heads, dim] with equal tokens and heads; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, dim] with equal tokens and heads; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[-1] != k.shape[-1] or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q and k need the same width and q, k, v one dtype; got {tuple(q.shape)} {q.dtype}, "
-                         f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+        raise ValueError(
+            f"q and k need the same width and q, k, v one dtype; got {tuple(q.shape)} {q.dtype}, "
+            f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
+        )
     if timestamps.shape != q.shape[:1] or offsets.dim() != 1 or len(offsets) < 2:
-        raise ValueError(f"timestamps must be [tokens] ({q.shape[0]}) and offsets [sequences + 1]; got "
-                         f"{tuple(timestamps.shape)} and {tuple(offsets.shape)}")
+        raise ValueError(
+            f"timestamps must be [tokens] ({q.shape[0]}) and offsets [sequences + 1]; got "
+            f"{tuple(timestamps.shape)} and {tuple(offsets.shape)}"
+        )
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in their last dimension")
     if not (position.is_contiguous() and time.is_contiguous()):
@@ -406,9 +885,25 @@ class _HSTUAttention(torch.autograd.Function):
         out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # rows outside every sequence stay zero
         config = configs["fwd"]
         _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
-            q, k, v, out, offsets, timestamps, position, time,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            **sizes, **config)
+            q,
+            k,
+            v,
+            out,
+            offsets,
+            timestamps,
+            position,
+            time,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            **sizes,
+            **config,
+        )
         ctx.save_for_backward(q, k, v, offsets, timestamps, position, time)
         ctx.max_len, ctx.sizes, ctx.configs = max_len, sizes, configs
         return out
@@ -420,22 +915,56 @@ class _HSTUAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
         d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
-        common = (offsets, timestamps, position, time, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                  v.stride(0), v.stride(1), do.stride(0), do.stride(1))
+        common = (
+            offsets,
+            timestamps,
+            position,
+            time,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            do.stride(0),
+            do.stride(1),
+        )
         in_dq = ctx.configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
         for kind, kernel, grid_block, outputs in (
-                ("dkdv", _hstu_bwd_dkdv, "BLOCK_N", (dk, dv)), ("dq", _hstu_bwd_dq, "BLOCK_M", (dq,))):
+            ("dkdv", _hstu_bwd_dkdv, "BLOCK_N", (dk, dv)),
+            ("dq", _hstu_bwd_dq, "BLOCK_M", (dq,)),
+        ):
             config = ctx.configs[kind]
             skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
             strides = [stride for t in outputs for stride in (t.stride(0), t.stride(1))]
             kernel[_grid(ctx.max_len, config[grid_block], offsets, q.shape[1])](
-                q, k, v, do, *outputs, d_position, d_time, *common, *strides, **ctx.sizes, **config, SKEW=skew,
-                BIAS_GRADS=in_dq == (kind == "dq"))
+                q,
+                k,
+                v,
+                do,
+                *outputs,
+                d_position,
+                d_time,
+                *common,
+                *strides,
+                **ctx.sizes,
+                **config,
+                SKEW=skew,
+                BIAS_GRADS=in_dq == (kind == "dq"),
+            )
         return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
 
 
-def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                   timestamps: torch.Tensor, position: torch.Tensor, time: torch.Tensor, max_len: int) -> torch.Tensor:
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    position: torch.Tensor,
+    time: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
     """Fused jagged HSTU attention (see the module's docstring): ``q``, ``k`` ``[N, heads, attention_dim]``,
     ``v`` ``[N, heads, hidden_dim]`` (inner dimension contiguous; views of a wider tensor are fine),
     ``offsets`` ``[B + 1]`` (the rows of sequence b are ``offsets[b]:offsets[b + 1]``), ``timestamps``

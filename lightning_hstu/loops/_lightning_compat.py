@@ -18,40 +18,23 @@ TESTED = ((2, 6), (2, 7))
 """Lightning releases ``>= TESTED[0]`` and ``< TESTED[1]`` (also pyproject's dependency)."""
 
 MIRRORED = {
-    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.advance":
-        "c7555c016027bd73a570e1aa8872efa0945a9c42126020ffdb9891eb5787c266",
-    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.run":
-        "e8393a2170ccbe0120882038f61843f26cc9e0d78d223f87fae9f6a8fd8ea115",
-    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.on_advance_end":
-        "2d1ddaa4e45ef5c6ee799417d23bb7f1745db28bdb7ea0ddf378c850a4dafe50",
-    "lightning.pytorch.loops.fit_loop:_FitLoop.advance":
-        "8e291f9c9323df7127b1093c4b5e2c709dbf725604d9938b1e3c9bb82e2ab903",
-    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization.run":
-        "385b43732ecc8af33fc4eef6a70bc37d4013dd29665d72e29901c225d213d721",
-    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._make_zero_grad_fn":
-        "0f9b56ff1dc1a3ba995c150ce1e9a07adcd215b9f043b4d757857ca11a01038d",
-    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._make_backward_fn":
-        "638ca477b2752682639bcde4fc8a15543cc41fe352e2795b2522cdb43319d5e2",
-    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._training_step":
-        "72e8f9529eacba73750864f78e0e59a4233af66cf8eb401bc923683bf22490b5",
-    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._optimizer_step":
-        "e196b2fa15d19ee663aa1c42cd66675216b9c9316349d0e9b88f47f9d4605a55",
-    "lightning.pytorch.loops.optimization.automatic:ClosureResult":
-        "2da8d8114d30625200f598d8fdfbda86b53b1485adceb9ae14d9ad21e5a6b22c",
-    "lightning.pytorch.loops.utilities:_block_parallel_sync_behavior":
-        "c66548339365c2971cb9e4f2d6c9ff4fda4beffb09a51eda270263fdfe15cdeb",
-    "lightning.pytorch.loops.fetchers:_DataFetcher":
-        "6c0fe2b180a633f02377967184e64ceac2f3fac85c4ebb1c080af570f8710d50",
-    "lightning.pytorch.loops.fetchers:_DataLoaderIterDataFetcher":
-        "cd622cb22f0e5d737a3301e879108143b14dcaeaf67ee93044a57cbd39a49e27",
-    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_start":
-        "5022a98e255d31b5a694dfa29677ea5a4372e216ab38cbaf692444535f9e0263",
-    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_end":
-        "87c0a9cd43e97f9da3c0e87163f0d167a0b739ade3b71f7ad15eca78c63a47b0",
-    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.update_train_step_metrics":
-        "44584c0c55de3464faa21a3aa765ddbd4890dc125aff469e453b38fde5b4f07e",
-    "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance":
-        "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.advance": "c7555c016027bd73a570e1aa8872efa0945a9c42126020ffdb9891eb5787c266",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.run": "e8393a2170ccbe0120882038f61843f26cc9e0d78d223f87fae9f6a8fd8ea115",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.on_advance_end": "2d1ddaa4e45ef5c6ee799417d23bb7f1745db28bdb7ea0ddf378c850a4dafe50",
+    "lightning.pytorch.loops.fit_loop:_FitLoop.advance": "8e291f9c9323df7127b1093c4b5e2c709dbf725604d9938b1e3c9bb82e2ab903",
+    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization.run": "385b43732ecc8af33fc4eef6a70bc37d4013dd29665d72e29901c225d213d721",
+    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._make_zero_grad_fn": "0f9b56ff1dc1a3ba995c150ce1e9a07adcd215b9f043b4d757857ca11a01038d",
+    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._make_backward_fn": "638ca477b2752682639bcde4fc8a15543cc41fe352e2795b2522cdb43319d5e2",
+    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._training_step": "72e8f9529eacba73750864f78e0e59a4233af66cf8eb401bc923683bf22490b5",
+    "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization._optimizer_step": "e196b2fa15d19ee663aa1c42cd66675216b9c9316349d0e9b88f47f9d4605a55",
+    "lightning.pytorch.loops.optimization.automatic:ClosureResult": "2da8d8114d30625200f598d8fdfbda86b53b1485adceb9ae14d9ad21e5a6b22c",
+    "lightning.pytorch.loops.utilities:_block_parallel_sync_behavior": "c66548339365c2971cb9e4f2d6c9ff4fda4beffb09a51eda270263fdfe15cdeb",
+    "lightning.pytorch.loops.fetchers:_DataFetcher": "6c0fe2b180a633f02377967184e64ceac2f3fac85c4ebb1c080af570f8710d50",
+    "lightning.pytorch.loops.fetchers:_DataLoaderIterDataFetcher": "cd622cb22f0e5d737a3301e879108143b14dcaeaf67ee93044a57cbd39a49e27",
+    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_start": "5022a98e255d31b5a694dfa29677ea5a4372e216ab38cbaf692444535f9e0263",
+    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_end": "87c0a9cd43e97f9da3c0e87163f0d167a0b739ade3b71f7ad15eca78c63a47b0",
+    "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.update_train_step_metrics": "44584c0c55de3464faa21a3aa765ddbd4890dc125aff469e453b38fde5b4f07e",
+    "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance": "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""
 
@@ -64,10 +47,12 @@ def installed_version() -> tuple[int, int]:
 def check_version() -> None:
     low, high = TESTED
     if not low <= installed_version() < high:
-        raise ImportError(f"lightning-hstu's loops are written against Lightning >= {'.'.join(map(str, low))}, "
-                          f"< {'.'.join(map(str, high))}; Lightning {lightning.__version__} is installed: install a "
-                          f"release in that range (pip install 'lightning>={'.'.join(map(str, low))},"
-                          f"<{'.'.join(map(str, high))}')")
+        raise ImportError(
+            f"lightning-hstu's loops are written against Lightning >= {'.'.join(map(str, low))}, "
+            f"< {'.'.join(map(str, high))}; Lightning {lightning.__version__} is installed: install a "
+            f"release in that range (pip install 'lightning>={'.'.join(map(str, low))},"
+            f"<{'.'.join(map(str, high))}')"
+        )
 
 
 def source_digest(target: str) -> str:

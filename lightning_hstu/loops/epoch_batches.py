@@ -20,8 +20,15 @@ class EpochBatches:
       trained, not the state of a loader that is already ``depth - 1`` batches ahead.
     """
 
-    def __init__(self, fetcher: _DataFetcher, *, start: int, stop: int | float, keep_states: int,
-                 all_ranks_have: Callable[[bool], bool]):
+    def __init__(
+        self,
+        fetcher: _DataFetcher,
+        *,
+        start: int,
+        stop: int | float,
+        keep_states: int,
+        all_ranks_have: Callable[[bool], bool],
+    ):
         self.start = start
         """Batches of this epoch trained before this run began (a mid-epoch resume)."""
         self.count: int | None = None
@@ -44,8 +51,10 @@ class EpochBatches:
 
     def describe(self) -> str:
         """The loaders, named for a report: ``train dataloader (DataLoader of MyDataset)``."""
-        loaders = [f"{type(loader).__name__} of {type(getattr(loader, 'dataset', None)).__name__}"
-                   for loader in self._fetcher.combined_loader.flattened]
+        loaders = [
+            f"{type(loader).__name__} of {type(getattr(loader, 'dataset', None)).__name__}"
+            for loader in self._fetcher.combined_loader.flattened
+        ]
         return f"train dataloader ({', '.join(loaders)})"
 
     def skip(self, batches: int) -> None:
@@ -54,9 +63,11 @@ class EpochBatches:
             try:
                 next(self._fetcher)
             except StopIteration:
-                raise RuntimeError(f"resuming mid-epoch needs {batches} batches to skip, but the train "
-                                   f"dataloader ended after {skipped}: it is not the loader of the run "
-                                   f"that saved the checkpoint") from None
+                raise RuntimeError(
+                    f"resuming mid-epoch needs {batches} batches to skip, but the train "
+                    f"dataloader ended after {skipped}: it is not the loader of the run "
+                    f"that saved the checkpoint"
+                ) from None
 
     def __iter__(self) -> Iterator[Any]:
         self._snapshot()
@@ -69,8 +80,10 @@ class EpochBatches:
                 batch, has_batch = None, False
             if not self._all_ranks_have(has_batch):
                 if has_batch:
-                    rank_zero_warn("another rank ran out of training data first; every rank ends the epoch "
-                                   "there, so the rest of this rank's batches are not trained this epoch")
+                    rank_zero_warn(
+                        "another rank ran out of training data first; every rank ends the epoch "
+                        "there, so the rest of this rank's batches are not trained this epoch"
+                    )
                 break
             self._snapshot()
             yield batch

@@ -55,12 +55,18 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if self._resume_validation(data_fetcher) or self.done:
             return
         if isinstance(data_fetcher, _DataLoaderIterDataFetcher):
-            raise RuntimeError("HSTUPipelineStrategy feeds batches to training_step(batch, batch_idx); "
-                               "a training_step that takes a dataloader_iter is not supported")
+            raise RuntimeError(
+                "HSTUPipelineStrategy feeds batches to training_step(batch, batch_idx); "
+                "a training_step that takes a dataloader_iter is not supported"
+            )
         start = self.batch_progress.current.ready  # batches of this epoch trained before a resume
-        self._batches = EpochBatches(data_fetcher, start=start, stop=self.trainer.num_training_batches,
-                                     keep_states=self._strategy.plan.depth + 2,
-                                     all_ranks_have=self._strategy.all_ranks)
+        self._batches = EpochBatches(
+            data_fetcher,
+            start=start,
+            stop=self.trainer.num_training_batches,
+            keep_states=self._strategy.plan.depth + 2,
+            all_ranks_have=self._strategy.all_ranks,
+        )
         if start:
             self._check_batch_sizes(start)
         if start and not self._batches.stateful:
@@ -70,8 +76,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
             self._batches.skip(start)
         engine = self._start_engine()
         try:
-            with contextlib.closing(engine.steps(self._batches, self._before_step, start=start,
-                                                 source=self._batches.describe())) as steps:
+            with contextlib.closing(
+                engine.steps(self._batches, self._before_step, start=start, source=self._batches.describe())
+            ) as steps:
                 for result in steps:
                     self._records.extend(result.records)
                     if result.batch is None:
@@ -104,7 +111,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
             f"the checkpoint was saved {start} batches into an epoch, with train dataloader batch size "
             f"{_sizes(saved)}; this run's train dataloader has batch size {_sizes(current)}: resuming there would "
             f"skip other samples than the {start} batches trained. Resume with batch size {_sizes(saved)} (it "
-            f"can change at an epoch boundary)")
+            f"can change at an epoch boundary)"
+        )
 
     def _resume_validation(self, data_fetcher: _DataFetcher) -> bool:
         """What Lightning's ``advance`` does first when restarting from a checkpoint saved around validation."""
@@ -128,10 +136,15 @@ class EngineEpochLoop(_TrainingEpochLoop):
             device = self.trainer.strategy.root_device
             plan, module = self._strategy.plan, self.trainer.lightning_module
             graphs = module.hstu_graphs() if plan.capturable else None
-            self._engine = Engine(plan, self._tasks.bodies(plan), device=device if device.type == "cuda" else None,
-                                  step_timeout=self._strategy.step_timeout,
-                                  on_timeout=self._strategy.timeout_actions(),
-                                  observers=self._strategy.engine_observers, graphs=graphs).start()
+            self._engine = Engine(
+                plan,
+                self._tasks.bodies(plan),
+                device=device if device.type == "cuda" else None,
+                step_timeout=self._strategy.step_timeout,
+                on_timeout=self._strategy.timeout_actions(),
+                observers=self._strategy.engine_observers,
+                graphs=graphs,
+            ).start()
         return self._engine
 
     @property

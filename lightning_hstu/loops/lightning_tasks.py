@@ -168,8 +168,10 @@ class LightningTasks:
         batch = self.current
         if batch is None or batch.batch_idx != b.index:
             # The caller prepares batch k before step k; anything else is an engine bug, not user error.
-            raise RuntimeError(f"lookahead-0 task got batch {b.index}, but the loop prepared "
-                               f"{None if batch is None else batch.batch_idx}")
+            raise RuntimeError(
+                f"lookahead-0 task got batch {b.index}, but the loop prepared "
+                f"{None if batch is None else batch.batch_idx}"
+            )
         return batch
 
 
@@ -185,4 +187,5 @@ def _passthrough(task: PlanTask, copies: dict[str, str]):
         for slot, source in sources.items():
             b[slot] = None if source is None else b[source]
         return SKIPPED
+
     return body

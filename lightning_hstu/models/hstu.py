@@ -86,14 +86,34 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     ``weight_decay`` and ``betas`` for the dense part, ``sparse_optimizer`` and ``sparse_lr`` for the
     tables. Evaluated by ``RankingEvaluation``."""
 
-    def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 2, attention_dim: int = 32,
-                 hidden_dim: int = 32, max_seq_len: int = 200, dropout: float = 0.1, temperature: float = 0.05,
-                 lr: float = 1e-3, sparse_lr: float = 0.05, sparse_optimizer: str = "adagrad",
-                 balance_batches: bool = True, on_nonfinite_loss: str = "raise", cache_load_factor: float | None = None,
-                 num_items: int | None = None, num_users: int | None = None, num_actions: int | None = None,
-                 attention: str = "auto", retrieval_loss: str = "auto", ranking_weight: float = 1.0,
-                 position_embedding: bool = False, scale_inputs: bool = False, input_dropout: float = 0.0,
-                 weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999)):
+    def __init__(
+        self,
+        embedding_dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        attention_dim: int = 32,
+        hidden_dim: int = 32,
+        max_seq_len: int = 200,
+        dropout: float = 0.1,
+        temperature: float = 0.05,
+        lr: float = 1e-3,
+        sparse_lr: float = 0.05,
+        sparse_optimizer: str = "adagrad",
+        balance_batches: bool = True,
+        on_nonfinite_loss: str = "raise",
+        cache_load_factor: float | None = None,
+        num_items: int | None = None,
+        num_users: int | None = None,
+        num_actions: int | None = None,
+        attention: str = "auto",
+        retrieval_loss: str = "auto",
+        ranking_weight: float = 1.0,
+        position_embedding: bool = False,
+        scale_inputs: bool = False,
+        input_dropout: float = 0.0,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
@@ -104,12 +124,27 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         if ranking_weight < 0:
             raise ValueError(f"ranking_weight must be at least 0 (0 turns the ranking loss off), got {ranking_weight}")
         self.save_hyperparameters()
-        config = HSTUConfig(embedding_dim, num_layers, num_heads, attention_dim, hidden_dim, max_seq_len + 1,
-                            dropout=dropout, position_embedding=position_embedding, scale_inputs=scale_inputs,
-                            input_dropout=input_dropout)
+        config = HSTUConfig(
+            embedding_dim,
+            num_layers,
+            num_heads,
+            attention_dim,
+            hidden_dim,
+            max_seq_len + 1,
+            dropout=dropout,
+            position_embedding=position_embedding,
+            scale_inputs=scale_inputs,
+            input_dropout=input_dropout,
+        )
         self.num_items = num_items
-        self.objectives = HSTUObjectives(config, num_actions or 5, temperature, attention,
-                                         resolve_retrieval(retrieval_loss, num_items), ranking_weight)
+        self.objectives = HSTUObjectives(
+            config,
+            num_actions or 5,
+            temperature,
+            attention,
+            resolve_retrieval(retrieval_loss, num_items),
+            ranking_weight,
+        )
         self.objectives.catalogue = num_items + 1 if num_items else None
         self.embeddings: ShardedEmbeddings | None = None
         self.balance_totals = [0.0, 0.0, 0]
@@ -131,9 +166,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         data = self.trainer.datamodule
         hp = self.hparams
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
-        check_table_sizes(dict(num_items=num_items, num_users=num_users,
-                               num_actions=hp.num_actions or data.num_actions),
-                          dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions))
+        check_table_sizes(
+            dict(num_items=num_items, num_users=num_users, num_actions=hp.num_actions or data.num_actions),
+            dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions),
+        )
         self.num_items = num_items
         self.objectives.retrieval = resolve_retrieval(hp.retrieval_loss, num_items)
         self.objectives.catalogue = num_items + 1
@@ -141,19 +177,26 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         if self.objectives.fused(device):
             self._check_length("the fused attention kernel sizes its grid by")
         self.embeddings = ShardedEmbeddings(
-            embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions), device,
-            optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer], optimizer_kwargs={"lr": hp.sparse_lr},
-            cache_load_factor=hp.cache_load_factor)
+            embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions),
+            device,
+            optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer],
+            optimizer_kwargs={"lr": hp.sparse_lr},
+            cache_load_factor=hp.cache_load_factor,
+        )
         timeout = getattr(self.trainer.strategy, "process_group_timeout", None)
         self.dense_grads = MegatronDenseGrads(self.objectives.to(device), timeout=timeout)
-        self.shuffler = BalancedShuffler(self.trainer.datamodule.batch_size,
-                                         group=shuffle_group(hp.balance_batches, timeout), enabled=hp.balance_batches)
+        self.shuffler = BalancedShuffler(
+            self.trainer.datamodule.batch_size,
+            group=shuffle_group(hp.balance_batches, timeout),
+            enabled=hp.balance_batches,
+        )
 
     def configure_optimizers(self):
         # the sparse tables have their own (fused) optimizer
         hp = self.hparams
-        return torch.optim.AdamW(self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                                 betas=tuple(hp.betas))
+        return torch.optim.AdamW(
+            self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+        )
 
     def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
         self.dense_grads.zero_grad()
@@ -208,8 +251,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def _check_length(self, what: str) -> None:
         data_length = getattr(self.trainer.datamodule, "max_seq_len", None) if self._trainer else None
         if data_length is not None and data_length > self.objectives.max_events:
-            raise ValueError(f"{what} the model's max_seq_len ({self.objectives.max_events}), but the data "
-                             f"module's histories reach max_seq_len={data_length}: make them equal")
+            raise ValueError(
+                f"{what} the model's max_seq_len ({self.objectives.max_events}), but the data "
+                f"module's histories reach max_seq_len={data_length}: make them equal"
+            )
 
     def _finalize_grads(self, index: int) -> None:
         self.dense_grads.finalize()
@@ -223,15 +268,18 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             strategy = self.trainer.strategy
             agree = getattr(strategy, "all_ranks", strategy.reduce_boolean_decision)
             if not agree(bool(flag)):  # waits for this step's loss only
-                raise FloatingPointError(f"non-finite loss at batch {index} (on at least one rank); the step was "
-                                         f"applied (on_nonfinite_loss='stop'): this process's weights are not "
-                                         f"finite, resume from a checkpoint")
+                raise FloatingPointError(
+                    f"non-finite loss at batch {index} (on at least one rank); the step was "
+                    f"applied (on_nonfinite_loss='stop'): this process's weights are not "
+                    f"finite, resume from a checkpoint"
+                )
         if index not in self._nonfinite:
             return
         self._nonfinite.discard(index)
         if self.hparams.on_nonfinite_loss == "raise":
-            raise FloatingPointError(f"non-finite loss at batch {index} (on at least one rank); the step was "
-                                     f"not applied")
+            raise FloatingPointError(
+                f"non-finite loss at batch {index} (on at least one rank); the step was not applied"
+            )
         self.skipped_batches.append(index)
 
     # ----- under Lightning's own loop (HSTUPipelineStrategy(engine=False)): the same step, unpipelined --
@@ -261,8 +309,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def on_fit_end(self) -> None:
         before, after, batches = self.balance_totals
         if batches and self.trainer.is_global_zero and self.shuffler.active:
-            print(f"\nbalanced shuffler: max/mean rank cost {before / batches:.3f} -> {after / batches:.3f} "
-                  f"(mean over {batches} global batches)")
+            print(
+                f"\nbalanced shuffler: max/mean rank cost {before / batches:.3f} -> {after / batches:.3f} "
+                f"(mean over {batches} global batches)"
+            )
 
     # ----- training and evaluation --------------------------------------------------------------------
 
@@ -274,8 +324,9 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             return None
         batch = self._last_batch
         lengths = batch.sequence_lengths().tolist()
-        rows = (self.num_items + 1 if self.objectives.retrieval == "full"
-                else batch.features["item_neg"].values().numel())
+        rows = (
+            self.num_items + 1 if self.objectives.retrieval == "full" else batch.features["item_neg"].values().numel()
+        )
         negatives = self.objectives.negatives_per_event(batch.size, sum(lengths), rows)
         return self.objectives.training_flops(lengths, negatives)
 
@@ -350,8 +401,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         ids = torch.arange(self.num_items + 1, device=self.device)
         none = torch.zeros_like(ids)
         features = KeyedJaggedTensor.from_lengths_sync(  # one id per row under "item", nothing elsewhere
-            keys=["item", "item_neg", "action", "user"], values=ids,
-            lengths=torch.cat([torch.ones_like(ids), none, none, none]))
+            keys=["item", "item_neg", "action", "user"],
+            values=ids,
+            lengths=torch.cat([torch.ones_like(ids), none, none, none]),
+        )
         return self.embeddings(features)["item"].values()
 
 
@@ -448,8 +501,15 @@ class HSTUObjectives(nn.Module):
     shapes are fixed per batch size (and capacity), with no host sync, so that they can be captured in a
     CUDA graph. ``retrieval`` is a resolved choice of ``RETRIEVAL_LOSSES`` (not ``auto``)."""
 
-    def __init__(self, config: HSTUConfig, num_actions: int, temperature: float, attention: str = "padded",
-                 retrieval: str = "sampled", ranking_weight: float = 1.0):
+    def __init__(
+        self,
+        config: HSTUConfig,
+        num_actions: int,
+        temperature: float,
+        attention: str = "padded",
+        retrieval: str = "sampled",
+        ranking_weight: float = 1.0,
+    ):
         super().__init__()
         if retrieval not in RETRIEVAL_LOSSES[1:]:
             raise ValueError(f"unknown retrieval loss {retrieval!r}; valid: {', '.join(RETRIEVAL_LOSSES[1:])}")
@@ -459,8 +519,15 @@ class HSTUObjectives(nn.Module):
         """Rows of the item table (items + 1), once known: what the full softmax scores against."""
         self.max_events = config.max_seq_len - 1  # the user token takes one position
         self.stack = HSTUStack(config)
-        self.ranking_head = nn.Sequential(nn.Linear(2 * config.embedding_dim, config.embedding_dim), nn.SiLU(),
-                                          nn.Linear(config.embedding_dim, num_actions)) if ranking_weight else None
+        self.ranking_head = (
+            nn.Sequential(
+                nn.Linear(2 * config.embedding_dim, config.embedding_dim),
+                nn.SiLU(),
+                nn.Linear(config.embedding_dim, num_actions),
+            )
+            if ranking_weight
+            else None
+        )
 
     def training_flops(self, lengths: list[int], negatives: int) -> int:
         """Model FLOPs of one training step (forward and backward, 3x the forward's matrix products) of a
@@ -475,8 +542,9 @@ class HSTUObjectives(nn.Module):
         pairs = sum((n + 1) * (n + 2) // 2 for n in lengths)
         per_layer = 2 * tokens * width * (2 * qk + 2 * uv) + 2 * tokens * uv * width + 2 * pairs * (qk + uv)
         head = self.ranking_head
-        per_event = 2 * width * (1 + negatives) + (2 * (head[0].in_features * head[0].out_features
-                                                        + head[2].in_features * head[2].out_features) if head else 0)
+        per_event = 2 * width * (1 + negatives) + (
+            2 * (head[0].in_features * head[0].out_features + head[2].in_features * head[2].out_features) if head else 0
+        )
         return 3 * (len(stack.layers) * per_layer + sum(lengths) * per_event)
 
     def negatives_per_event(self, batch_size: int, events: int, negatives: int) -> int:
@@ -491,36 +559,58 @@ class HSTUObjectives(nn.Module):
             return False
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if self.attention == "fused" and device.type != "cuda" and not interpreted:
-            raise ValueError(f"attention='fused' runs a Triton kernel: it needs a CUDA device, not {device} "
-                             f"(TRITON_INTERPRET=1 runs it in Triton's CPU interpreter, slowly, for tests); "
-                             f"attention='padded' runs anywhere")
+            raise ValueError(
+                f"attention='fused' runs a Triton kernel: it needs a CUDA device, not {device} "
+                f"(TRITON_INTERPRET=1 runs it in Triton's CPU interpreter, slowly, for tests); "
+                f"attention='padded' runs anywhere"
+            )
         return self.attention == "fused" or (device.type == "cuda" and importlib.util.find_spec("triton") is not None)
 
     def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed retrieval and (weighted) ranking losses over every position of every history."""
         return self.losses(*self.dense_inputs(batch, embeddings))
 
-    def dense_inputs(self, batch: HSTUBatch, embeddings, static: bool = False,
-                     training: bool = True) -> DenseInputs | JaggedInputs:
+    def dense_inputs(
+        self, batch: HSTUBatch, embeddings, static: bool = False, training: bool = True
+    ) -> DenseInputs | JaggedInputs:
         """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives."""
         lengths = batch.sequence_lengths()
         items = embeddings["item"].values()
         looked_up = embeddings["item_neg"].values()
-        negatives, negative_ids = (self._negatives(batch, looked_up, len(lengths)) if training
-                                   else (looked_up[:0], batch.features["item_neg"].values()[:0]))
+        negatives, negative_ids = (
+            self._negatives(batch, looked_up, len(lengths))
+            if training
+            else (looked_up[:0], batch.features["item_neg"].values()[:0])
+        )
         events, user = items + embeddings["action"].values(), embeddings["user"].values()
         times, actions = batch.features["time"].values(), batch.features["action"].values()
         target_ids = batch.features["item"].values()
         if self.fused(items.device):
             capacity = token_capacity(len(items), self.max_events * len(lengths)) if static else len(items)
             pad = functools.partial(_pad_rows, rows=capacity)
-            return JaggedInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
-                                times=pad(times), actions=pad(actions), target_ids=pad(target_ids),
-                                negative_ids=negative_ids, lengths=lengths)
+            return JaggedInputs(
+                events=pad(events),
+                targets=pad(items),
+                user=user,
+                negatives=negatives,
+                times=pad(times),
+                actions=pad(actions),
+                target_ids=pad(target_ids),
+                negative_ids=negative_ids,
+                lengths=lengths,
+            )
         pad = Padding(lengths, len(items), self.max_events if static else None)
-        return DenseInputs(events=pad(events), targets=pad(items), user=user, negatives=negatives,
-                           times=pad(times), actions=pad(actions), target_ids=pad(target_ids),
-                           negative_ids=negative_ids, mask=pad.mask)
+        return DenseInputs(
+            events=pad(events),
+            targets=pad(items),
+            user=user,
+            negatives=negatives,
+            times=pad(times),
+            actions=pad(actions),
+            target_ids=pad(target_ids),
+            negative_ids=negative_ids,
+            mask=pad.mask,
+        )
 
     def _negatives(self, batch: HSTUBatch, looked_up: torch.Tensor, batch_size: int):
         """The ``item_neg`` rows and ids in the shape the retrieval loss takes (see ``DenseInputs``)."""
@@ -534,10 +624,12 @@ class HSTUObjectives(nn.Module):
     def _catalogue(self, looked_up: torch.Tensor):
         """The full softmax's negatives: the item table's rows, looked up in order, and their ids."""
         if self.catalogue is not None and len(looked_up) != self.catalogue:
-            raise ValueError(f"retrieval='full' scores every event against the whole item table, which "
-                             f"HSTURecommender.sparse_features puts under 'item_neg' ({self.catalogue} rows); these "
-                             f"embeddings have {len(looked_up)} 'item_neg' rows: look them up from "
-                             f"model.sparse_features(batch)")
+            raise ValueError(
+                f"retrieval='full' scores every event against the whole item table, which "
+                f"HSTURecommender.sparse_features puts under 'item_neg' ({self.catalogue} rows); these "
+                f"embeddings have {len(looked_up)} 'item_neg' rows: look them up from "
+                f"model.sparse_features(batch)"
+            )
         return looked_up, torch.arange(len(looked_up), device=looked_up.device)  # row i is item i
 
     def losses(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -569,8 +661,14 @@ class HSTUObjectives(nn.Module):
                 return every.view(len(query), batch, count)[rows, sample], negative_ids[sample]
             return self._pool_scores(query, negatives, negative_ids, targets, target_ids)
 
-        return self._sums(hidden.index_select(0, layout.event_token - 1), targets, actions, target_ids,
-                          layout.real.to(torch.float32), negative_scores)
+        return self._sums(
+            hidden.index_select(0, layout.event_token - 1),
+            targets,
+            actions,
+            target_ids,
+            layout.real.to(torch.float32),
+            negative_scores,
+        )
 
     def _pool_scores(self, query, negatives, negative_ids, targets, target_ids):
         """Scores against one pool shared by every position: the item table (``full``) or the targets of
@@ -589,8 +687,9 @@ class HSTUObjectives(nn.Module):
         weight = weight.to(torch.float32)
         if self.retrieval == "full":  # the target is among the scored rows already: plain cross-entropy
             logits = scores.index_fill(-1, ids[:1], -math.inf).float() / self.temperature
-            retrieval = F.cross_entropy(logits.flatten(0, -2), target_ids.flatten(), ignore_index=0,
-                                        reduction="none").view_as(weight)
+            retrieval = F.cross_entropy(
+                logits.flatten(0, -2), target_ids.flatten(), ignore_index=0, reduction="none"
+            ).view_as(weight)
         else:
             positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
             scores = scores.masked_fill((ids == target_ids[..., None]) | (ids == 0), -math.inf)
@@ -615,8 +714,9 @@ class HSTUObjectives(nn.Module):
     def encode_jagged(self, events, user, times, lengths) -> tuple[torch.Tensor, JaggedLayout]:
         """Jagged: hidden states [C + B, D] over every history's (user token, events), and where they are."""
         layout = JaggedLayout(lengths, len(events))
-        return self.stack.jagged(layout.tokens(user, events), layout.token_offsets,
-                                 layout.tokens(layout.user_times(times), times)), layout
+        return self.stack.jagged(
+            layout.tokens(user, events), layout.token_offsets, layout.tokens(layout.user_times(times), times)
+        ), layout
 
     def last_states(self, batch: HSTUBatch, embeddings) -> torch.Tensor:
         """[B, D] each history's state after its last event (what ranks the next item)."""
@@ -643,8 +743,9 @@ def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
         else:
             jagged = features[key]
             values.append(jagged.values()), lengths.append(jagged.lengths()), per_key.append(len(jagged.values()))
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=stride,
-                             length_per_key=per_key)
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=stride, length_per_key=per_key
+    )
 
 
 def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:

@@ -178,7 +178,7 @@ class HSTUStack(nn.Module):
         self.config, self.max_seq_len = config, config.max_seq_len
         self.position = nn.Embedding(config.max_seq_len, config.embedding_dim) if config.position_embedding else None
         if self.position is not None:  # at the scale of the (scaled) item rows, not torch's N(0, 1)
-            nn.init.trunc_normal_(self.position.weight, std=config.embedding_dim ** -0.5)
+            nn.init.trunc_normal_(self.position.weight, std=config.embedding_dim**-0.5)
         self.input_dropout = nn.Dropout(config.input_dropout)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.embedding_dim)
@@ -201,7 +201,7 @@ class HSTUStack(nn.Module):
     def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout."""
         if self.config.scale_inputs:
-            x = x * self.config.embedding_dim ** 0.5
+            x = x * self.config.embedding_dim**0.5
         if self.position is not None:
             x = x + self.position(positions)
         return self.input_dropout(x)

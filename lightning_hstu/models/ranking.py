@@ -26,5 +26,10 @@ class RankingEvaluation:
         ranks = target_ranks(scores, batch.features["target"].values(), history.values(), history.lengths())
         for ranking in RANKINGS:
             for name, values in metric_values(ranks[ranking]).items():
-                self.log(f"{stage}/{ranking}/{name}", values.mean(), batch_size=len(values), sync_dist=True,
-                         prog_bar=stage == "val" and ranking == "all" and name == "HR@10")
+                self.log(
+                    f"{stage}/{ranking}/{name}",
+                    values.mean(),
+                    batch_size=len(values),
+                    sync_dist=True,
+                    prog_bar=stage == "val" and ranking == "all" and name == "HR@10",
+                )

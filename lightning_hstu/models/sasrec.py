@@ -16,8 +16,17 @@ from .ranking import RankingEvaluation
 
 
 class SASRecRecommender(RankingEvaluation, pl.LightningModule):
-    def __init__(self, embedding_dim: int = 64, num_layers: int = 2, num_heads: int = 1, max_seq_len: int = 200,
-                 dropout: float = 0.2, lr: float = 1e-3, weight_decay: float = 0.0, num_items: int | None = None):
+    def __init__(
+        self,
+        embedding_dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 1,
+        max_seq_len: int = 200,
+        dropout: float = 0.2,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        num_items: int | None = None,
+    ):
         super().__init__()
         if embedding_dim % num_heads:
             raise ValueError(f"embedding_dim ({embedding_dim}) must be divisible by num_heads ({num_heads})")
@@ -25,10 +34,18 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         self.items: nn.Embedding | None = None  # sized by the data in configure_model, unless num_items is given
         self.positions = nn.Embedding(max_seq_len, embedding_dim)
         self.dropout = nn.Dropout(dropout)
-        block = nn.TransformerEncoderLayer(embedding_dim, num_heads, dim_feedforward=embedding_dim, dropout=dropout,
-                                           activation="relu", batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, num_layers, norm=nn.LayerNorm(embedding_dim),
-                                            enable_nested_tensor=False)
+        block = nn.TransformerEncoderLayer(
+            embedding_dim,
+            num_heads,
+            dim_feedforward=embedding_dim,
+            dropout=dropout,
+            activation="relu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = nn.TransformerEncoder(
+            block, num_layers, norm=nn.LayerNorm(embedding_dim), enable_nested_tensor=False
+        )
         nn.init.xavier_normal_(self.positions.weight)
         if num_items is not None:
             self._make_items(num_items)
@@ -39,6 +56,7 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         with torch.no_grad():  # Xavier, as the paper's code: N(0, 1) rows make the first logits huge
             nn.init.xavier_normal_(self.items.weight)
             self.items.weight[0] = 0
+
     def configure_model(self) -> None:
         if self.items is None:
             self._make_items(self.trainer.datamodule.num_items)
@@ -51,12 +69,14 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         position 0, so the causal mask alone keeps padding out of every real position), and the mask."""
         history = batch.features["item"]
         if history.lengths().max() > self.hparams.max_seq_len:
-            raise ValueError(f"a history of {int(history.lengths().max())} events is longer than the model's "
-                             f"max_seq_len={self.hparams.max_seq_len}: make the data module's max_seq_len equal")
+            raise ValueError(
+                f"a history of {int(history.lengths().max())} events is longer than the model's "
+                f"max_seq_len={self.hparams.max_seq_len}: make the data module's max_seq_len equal"
+            )
         padding = Padding(history.lengths(), len(history.values()))
         ids, mask = padding(history.values()), padding.mask
         length = ids.shape[1]
-        x = self.items(ids) * self.hparams.embedding_dim ** 0.5 + self.positions.weight[:length]
+        x = self.items(ids) * self.hparams.embedding_dim**0.5 + self.positions.weight[:length]
         x = self.dropout(x) * mask[..., None]
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
         return self.blocks(x, mask=causal, is_causal=True), mask

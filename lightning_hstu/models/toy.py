@@ -9,8 +9,9 @@ from torch import nn
 class ToyRecommender(pl.LightningModule):
     """Mean-pooled item embeddings and an MLP that predict a rating."""
 
-    def __init__(self, num_items: int = 64, dim: int = 16, lr: float = 0.05, momentum: float = 0.9,
-                 lr_step_size: int = 0):
+    def __init__(
+        self, num_items: int = 64, dim: int = 16, lr: float = 0.05, momentum: float = 0.9, lr_step_size: int = 0
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.embedding = nn.Embedding(num_items, dim)

@@ -9,5 +9,15 @@ from .graph import Edge, EdgeKind
 from .plan import LEGACY_THREAD, Plan, PlanTask, build_plan
 from .tasks import INPUT_SLOT, Stream, TaskDef
 
-__all__ = ["Edge", "EdgeKind", "INPUT_SLOT", "LEGACY_THREAD", "Plan", "PlanError", "PlanTask", "Stream", "TaskDef",
-           "build_plan"]
+__all__ = [
+    "Edge",
+    "EdgeKind",
+    "INPUT_SLOT",
+    "LEGACY_THREAD",
+    "Plan",
+    "PlanError",
+    "PlanTask",
+    "Stream",
+    "TaskDef",
+    "build_plan",
+]

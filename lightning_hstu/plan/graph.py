@@ -47,7 +47,8 @@ def task_edges(tasks: tuple[TaskDef, ...]) -> tuple[Edge, ...]:
             if slot not in writer:
                 raise PlanError(
                     f"task '{task.name}' reads slot '{slot}' that no task writes; "
-                    f"written slots: {sorted(writer)} (and '{INPUT_SLOT}', filled by the engine)")
+                    f"written slots: {sorted(writer)} (and '{INPUT_SLOT}', filled by the engine)"
+                )
             slots_by_producer.setdefault(writer[slot], []).append(slot)
         for name in task.depends_on:
             _check_known(name, names, f"depends_on of task '{task.name}'")
@@ -80,7 +81,7 @@ def find_cycle(successors: Mapping[str, Iterable[tuple[str, str]]]) -> list[tupl
             node, pending = stack[-1]
             for succ, why in pending:
                 if succ in on_stack:
-                    return links[on_stack[succ]:] + [(node, why, succ)]
+                    return links[on_stack[succ] :] + [(node, why, succ)]
                 if succ not in done:
                     on_stack[succ] = len(stack)
                     links.append((node, why, succ))

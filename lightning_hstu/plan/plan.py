@@ -54,7 +54,7 @@ class Plan:
     threads: Mapping[str, tuple[str, ...]]
     """Thread name -> its tasks in run order."""
     wait_edges: frozenset[tuple[str, str]]
-    """(producer, consumer) pairs whose consumer waits for the producer inside a step (the wait rule, docs/concepts.md)."""
+    """(producer, consumer) pairs whose consumer waits for the producer inside a step (docs/concepts.md)."""
     ticket_order: tuple[str, ...]
     """Collective tasks in the order they launch within every step, identical on every rank."""
     legacy: bool
@@ -74,17 +74,20 @@ class Plan:
         for t in self.tasks:
             if t.name == name:
                 return t
-        raise PlanError(f"plan '{self.name}' has no task '{name}'; tasks are: "
-                        f"{', '.join(t.name for t in self.tasks)}")
+        raise PlanError(f"plan '{self.name}' has no task '{name}'; tasks are: {', '.join(t.name for t in self.tasks)}")
 
     def describe(self) -> str:
         """Threads with their tasks (``task@lookahead``) and the wait edges, one per line."""
-        lines = [f"{self.name}: cascade {self.cascade}, depth {self.depth}, "
-                 f"{len(self.threads)} thread{'s' if len(self.threads) > 1 else ''}"
-                 f"{' (legacy: the caller runs every task)' if self.legacy else ''}"]
+        lines = [
+            f"{self.name}: cascade {self.cascade}, depth {self.depth}, "
+            f"{len(self.threads)} thread{'s' if len(self.threads) > 1 else ''}"
+            f"{' (legacy: the caller runs every task)' if self.legacy else ''}"
+        ]
         for thread, names in self.threads.items():
-            lines.append(f"  {thread}: " + " ".join(f"{n}@{self.task(n).lookahead}{'[graph]' * self.task(n).capturable}"
-                                                    for n in names))
+            lines.append(
+                f"  {thread}: "
+                + " ".join(f"{n}@{self.task(n).lookahead}{'[graph]' * self.task(n).capturable}" for n in names)
+            )
         waits = ", ".join(f"{p} -> {c}" for p, c in self.sorted_wait_edges()) or "none"
         lines.append(f"  waits: {waits}")
         lines.append(f"  tickets: {' < '.join(self.ticket_order) or 'none'}")
@@ -115,23 +118,25 @@ def build_plan(
     edges = task_edges(tasks)
     names = [t.name for t in tasks]
     lookaheads = _resolve_lookahead(tasks, lookahead)
-    threads_of = ({n: LEGACY_THREAD for n in names} if thread_map is None
-                  else _resolve_thread_map(names, thread_map))
+    threads_of = {n: LEGACY_THREAD for n in names} if thread_map is None else _resolve_thread_map(names, thread_map)
     _check_lookahead_order(edges, lookaheads)
     unknown = [n for n in capturable if n not in names]
     if unknown:
         raise PlanError(f"capturable tasks {unknown} are not tasks of the plan; tasks are: {', '.join(names)}")
-    placed = tuple(PlanTask(t.name, t.stream, lookaheads[t.name], threads_of[t.name], t, t.name in capturable)
-                   for t in tasks)
+    placed = tuple(
+        PlanTask(t.name, t.stream, lookaheads[t.name], threads_of[t.name], t, t.name in capturable) for t in tasks
+    )
     threads: dict[str, tuple[str, ...]] = {}
     for t in placed:
         threads[t.thread] = threads.get(t.thread, ()) + (t.name,)
-    waits = frozenset((e.producer, e.consumer) for e in edges
-                      if _in_step(e, lookaheads) and threads_of[e.producer] != threads_of[e.consumer])
+    waits = frozenset(
+        (e.producer, e.consumer)
+        for e in edges
+        if _in_step(e, lookaheads) and threads_of[e.producer] != threads_of[e.consumer]
+    )
     tickets = _resolve_ticket_order(tasks, ticket_order)
     _check_no_deadlock(edges, lookaheads, threads_of, threads, tickets)
-    return Plan(name, cascade, placed, edges, MappingProxyType(threads), waits, tickets,
-                legacy=thread_map is None)
+    return Plan(name, cascade, placed, edges, MappingProxyType(threads), waits, tickets, legacy=thread_map is None)
 
 
 def _in_step(edge: Edge, lookaheads: Mapping[str, int]) -> bool:
@@ -154,7 +159,8 @@ def _resolve_lookahead(tasks: tuple[TaskDef, ...], lookahead: Mapping[str, int])
             raise PlanError(
                 f"task '{t.name}' uses model state that every batch shares, so its lookahead must be 0 "
                 f"(got {resolved[t.name]}); lookahead may move only: "
-                f"{', '.join(x.name for x in tasks if not x.stateful)}")
+                f"{', '.join(x.name for x in tasks if not x.stateful)}"
+            )
     return resolved
 
 
@@ -167,11 +173,14 @@ def _resolve_thread_map(names: list[str], thread_map: Mapping[str, str]) -> dict
         if not isinstance(thread, str) or not thread:
             raise PlanError(
                 f"thread_map maps task -> thread name, but task '{task}' maps to {thread!r}"
-                f"{' (a thread -> tasks mapping is not accepted)' if not isinstance(thread, str) else ''}")
+                f"{' (a thread -> tasks mapping is not accepted)' if not isinstance(thread, str) else ''}"
+            )
     missing = [n for n in names if n not in thread_map]
     if missing:
-        raise PlanError(f"thread_map misses task{'s' if len(missing) > 1 else ''} "
-                        f"{', '.join(repr(m) for m in missing)}: every task needs exactly one thread")
+        raise PlanError(
+            f"thread_map misses task{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(m) for m in missing)}: every task needs exactly one thread"
+        )
     return dict(thread_map)
 
 
@@ -181,7 +190,8 @@ def _check_lookahead_order(edges: tuple[Edge, ...], lookaheads: Mapping[str, int
             raise PlanError(
                 f"lookahead puts consumer '{e.consumer}' (lookahead {lookaheads[e.consumer]}) before its "
                 f"producer '{e.producer}' (lookahead {lookaheads[e.producer]}): a consumer's lookahead "
-                f"must not exceed its producer's")
+                f"must not exceed its producer's"
+            )
 
 
 def _resolve_ticket_order(tasks: tuple[TaskDef, ...], ticket_order: Sequence[str] | None) -> tuple[str, ...]:
@@ -192,8 +202,10 @@ def _resolve_ticket_order(tasks: tuple[TaskDef, ...], ticket_order: Sequence[str
         raise PlanError(f"ticket_order must be a sequence of task names, got {ticket_order!r}")
     order = tuple(ticket_order)
     if sorted(order) != sorted(collectives):
-        raise PlanError(f"ticket_order must list each collective task exactly once: "
-                        f"{', '.join(collectives)}; got {', '.join(order)}")
+        raise PlanError(
+            f"ticket_order must list each collective task exactly once: "
+            f"{', '.join(collectives)}; got {', '.join(order)}"
+        )
     return order
 
 

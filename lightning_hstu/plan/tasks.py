@@ -41,4 +41,3 @@ class TaskDef:
     stateful: bool = False
     """Reads or updates model state that every batch shares: it must run at lookahead 0, so that batch
     ``k`` sees the model exactly as batch ``k - 1`` left it."""
-

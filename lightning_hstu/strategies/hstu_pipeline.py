@@ -21,8 +21,9 @@ from . import process_groups, sharded_checkpoint
 
 
 def unknown_strategy_error(name: str) -> PlanError:
-    return PlanError(f"unknown strategy {name!r}; the HSTU strategies are: "
-                     f"{', '.join('hstu_' + preset for preset in PRESET_NAMES)}")
+    return PlanError(
+        f"unknown strategy {name!r}; the HSTU strategies are: {', '.join('hstu_' + preset for preset in PRESET_NAMES)}"
+    )
 
 
 class _NamesWithHSTUPrefix(list):
@@ -79,10 +80,18 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     strategy_name = "hstu_pipeline"
 
-    def __init__(self, preset: str = DEFAULT_PRESET, *, thread_map: Mapping[str, str] | str | None = None,
-                 lookahead: Mapping[str, int] | str | None = None, prefetch: bool = True,
-                 capture_graphs: bool = False, step_timeout: float | None = 600.0, engine: bool = True,
-                 **ddp_kwargs: Any):
+    def __init__(
+        self,
+        preset: str = DEFAULT_PRESET,
+        *,
+        thread_map: Mapping[str, str] | str | None = None,
+        lookahead: Mapping[str, int] | str | None = None,
+        prefetch: bool = True,
+        capture_graphs: bool = False,
+        step_timeout: float | None = 600.0,
+        engine: bool = True,
+        **ddp_kwargs: Any,
+    ):
         step_timeout = check_step_timeout(step_timeout)
         if step_timeout is not None and ddp_kwargs.get("timeout") is None:
             ddp_kwargs["timeout"] = process_groups.process_group_timeout(step_timeout)
@@ -90,11 +99,18 @@ class HSTUPipelineStrategy(DDPStrategy):
         if capture_graphs and not engine:
             raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
         self.use_engine = engine
-        self.plan = resolve_plan(preset, cascade=lookahead, thread_map=thread_map, prefetch=prefetch,
-                                 capturable=GRAPH_TASKS if capture_graphs else ())
+        self.plan = resolve_plan(
+            preset,
+            cascade=lookahead,
+            thread_map=thread_map,
+            prefetch=prefetch,
+            capturable=GRAPH_TASKS if capture_graphs else (),
+        )
         if self.plan.task("finish_shuffle").lookahead < 1:
-            raise PlanError("HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
-                            "on_train_batch_start hooks receive the training batch before its step runs")
+            raise PlanError(
+                "HSTUPipelineStrategy needs finish_shuffle at lookahead >= 1: Lightning's "
+                "on_train_batch_start hooks receive the training batch before its step runs"
+            )
         self.preset = preset
         self.step_timeout = step_timeout
         self.engine_observers: list[TaskObserver] = []
@@ -106,8 +122,9 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for preset in PRESET_NAMES:
-            strategy_registry.register(f"hstu_{preset}", cls, description=f"HSTU engine, preset {preset}",
-                                       preset=preset)
+            strategy_registry.register(
+                f"hstu_{preset}", cls, description=f"HSTU engine, preset {preset}", preset=preset
+            )
         if type(strategy_registry) is _StrategyRegistry:
             strategy_registry.__class__ = _RegistryNamingHSTUPresets
 
@@ -121,15 +138,18 @@ class HSTUPipelineStrategy(DDPStrategy):
             raise MisconfigurationException(
                 "HSTUPipelineStrategy supports automatic optimization only: the engine runs zero_grad, "
                 "training_step, backward and optimizer_step as separate tasks, which manual optimization "
-                "does inside training_step. Use strategy='ddp' for this module.")
+                "does inside training_step. Use strategy='ddp' for this module."
+            )
         if len(trainer.optimizers) != 1 or isinstance(trainer.optimizers[0], torch.optim.LBFGS):
             raise MisconfigurationException(
                 "HSTUPipelineStrategy needs exactly one optimizer that evaluates its closure once "
-                f"(got {[type(o).__name__ for o in trainer.optimizers]})")
+                f"(got {[type(o).__name__ for o in trainer.optimizers]})"
+            )
         if self.plan.capturable and not callable(getattr(module, "hstu_graphs", None)):
             raise MisconfigurationException(
                 f"capture_graphs=True, but {type(module).__name__} defines no hstu_graphs() saying what to capture "
-                f"(HSTURecommender does); use capture_graphs=False for this module")
+                f"(HSTURecommender does); use capture_graphs=False for this module"
+            )
         from ..loops import install_engine_loop
 
         self._epoch_loop = install_engine_loop(trainer, self)
@@ -177,8 +197,9 @@ class HSTUPipelineStrategy(DDPStrategy):
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # for all_ranks()
-            self._data_group = dist.new_group(backend="gloo", timeout=self._timeout,
-                                              group_desc=process_groups.AGREEMENT_GROUP)
+            self._data_group = dist.new_group(
+                backend="gloo", timeout=self._timeout, group_desc=process_groups.AGREEMENT_GROUP
+            )
 
     def timeout_actions(self) -> TimeoutActions:
         """What the engine's watchdog does on a timeout besides the report. On several processes: name the
@@ -188,9 +209,14 @@ class HSTUPipelineStrategy(DDPStrategy):
             return TimeoutActions()
         grace = TimeoutActions.grace
         launched = getattr(self.launcher, "procs", None) or []  # Lightning's subprocess launcher, on rank 0
-        return TimeoutActions(rank=self.global_rank, collectives_in_flight=process_groups.collectives_in_flight,
-                              abort=process_groups.abort_process_groups, end_process=True, grace=grace,
-                              before_exit=lambda: process_groups.end_launched_ranks(launched, grace))
+        return TimeoutActions(
+            rank=self.global_rank,
+            collectives_in_flight=process_groups.collectives_in_flight,
+            abort=process_groups.abort_process_groups,
+            end_process=True,
+            grace=grace,
+            before_exit=lambda: process_groups.end_launched_ranks(launched, grace),
+        )
 
     def all_ranks(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank has
@@ -228,8 +254,9 @@ class HSTUPipelineStrategy(DDPStrategy):
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         connector = self.lightning_module.trainer._checkpoint_connector
-        return sharded_checkpoint.load(checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False),
-                                       weights_only)
+        return sharded_checkpoint.load(
+            checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False), weights_only
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:

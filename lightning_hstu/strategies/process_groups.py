@@ -55,16 +55,22 @@ def collectives_in_flight() -> list[str]:
             failures.append(f"flight recorder: {dump.__name__} failed: {exc!r}")
             continue
         for entry in trace.get("entries", []):
-            key = (tuple(entry.get("process_group", ())), entry.get("collective_seq_id"), entry.get("p2p_seq_id"),
-                   entry.get("profiling_name"))
+            key = (
+                tuple(entry.get("process_group", ())),
+                entry.get("collective_seq_id"),
+                entry.get("p2p_seq_id"),
+                entry.get("profiling_name"),
+            )
             if key not in seen and not entry.get("retired", False) and entry.get("state") != "completed":
                 seen.add(key)
                 entries.append(entry)
     if not entries and os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == "0":
         return ["flight recorder: off (TORCH_FR_BUFFER_SIZE=0)"]
     threads = {str(t.ident): t.name for t in threading.enumerate()}
-    return [*(_describe(entry, threads) for entry in sorted(entries, key=lambda e: e.get("time_created_ns", 0))),
-            *failures]
+    return [
+        *(_describe(entry, threads) for entry in sorted(entries, key=lambda e: e.get("time_created_ns", 0))),
+        *failures,
+    ]
 
 
 def _describe(entry: dict, threads: dict[str, str]) -> str:
@@ -75,8 +81,10 @@ def _describe(entry: dict, threads: dict[str, str]) -> str:
     thread_id = str(entry.get("thread_id", ""))
     thread = threads.get(thread_id, entry.get("thread_name") or thread_id or "?")
     when = "" if age is None else f" {age:.1f} s ago"
-    return (f"flight recorder: {entry.get('profiling_name', '?')} #{seq} on process group {group}, "
-            f"{entry.get('state', '?')}{when} by thread '{thread}', sizes {entry.get('input_sizes', '?')}")
+    return (
+        f"flight recorder: {entry.get('profiling_name', '?')} #{seq} on process group {group}, "
+        f"{entry.get('state', '?')}{when} by thread '{thread}', sizes {entry.get('input_sizes', '?')}"
+    )
 
 
 def abort_process_groups() -> None:
@@ -101,8 +109,13 @@ def end_launched_ranks(processes: Sequence[subprocess.Popen], wait: float) -> No
             code = process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
-            print(f"local rank {local_rank} (pid {process.pid}) was still running {wait:g} s after this rank's "
-                  f"step timeout: killed", file=sys.stderr, flush=True)
+            print(
+                f"local rank {local_rank} (pid {process.pid}) was still running {wait:g} s after this rank's "
+                f"step timeout: killed",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"local rank {local_rank} (pid {process.pid}) ended with exit code {code}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"local rank {local_rank} (pid {process.pid}) ended with exit code {code}", file=sys.stderr, flush=True
+            )

@@ -76,8 +76,14 @@ def new_save_id() -> str:
 
 # ----- saving ---------------------------------------------------------------------------------------------
 
-def save(checkpoint: dict[str, Any], path: str | Path, save_id: str, is_global_zero: bool,
-         from_rank_zero: Callable[[Any], Any]) -> None:
+
+def save(
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    save_id: str,
+    is_global_zero: bool,
+    from_rank_zero: Callable[[Any], Any],
+) -> None:
     """Every rank calls this with the same ``save_id`` (DCP's save is a collective). ``from_rank_zero(x)``
     returns rank 0's ``x`` on every rank (a broadcast): how rank 0 tells the others whether its part
     succeeded, so that a failure there is an error on every rank rather than a hang at the next barrier.
@@ -99,8 +105,9 @@ def save(checkpoint: dict[str, Any], path: str | Path, save_id: str, is_global_z
         raise _save_error(path, reported) from failure
 
 
-def _finish_on_rank_zero(checkpoint: dict[str, Any], sharded: dict[str, Any], staging: Path, path: Path,
-                         save_id: str) -> Exception | None:
+def _finish_on_rank_zero(
+    checkpoint: dict[str, Any], sharded: dict[str, Any], staging: Path, path: Path, save_id: str
+) -> Exception | None:
     """Write ``lightning.pt`` and move the staged checkpoint into place. Returns the failure (None if it
     worked); nothing under ``path`` changes unless everything did."""
     rest = {key: value for key, value in checkpoint.items() if key not in sharded}
@@ -131,8 +138,10 @@ def _describe(error: BaseException) -> str:
 
 
 def _save_error(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"could not save checkpoint {path}: {what}. Nothing under that name changed: a "
-                           f"checkpoint already there is the previous one, whole")
+    return CheckpointError(
+        f"could not save checkpoint {path}: {what}. Nothing under that name changed: a "
+        f"checkpoint already there is the previous one, whole"
+    )
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -184,6 +193,7 @@ def _id_tensor(save_id: str) -> torch.Tensor:
 
 # ----- loading --------------------------------------------------------------------------------------------
 
+
 def load(path: str | Path, template: Callable[[], dict[str, Any]], weights_only: bool | None = None) -> dict[str, Any]:
     """The whole checkpoint; ``template()`` gives the current checkpoint (Lightning's dump of the running
     trainer), whose sharded entries DCP fills in place with the saved values. ``weights_only`` None or
@@ -196,21 +206,28 @@ def load(path: str | Path, template: Callable[[], dict[str, Any]], weights_only:
     current = template()
     missing = [key for key in keys if key not in current]
     if missing:
-        raise CheckpointError(f"checkpoint {path} holds sharded entries {missing} that the running module does "
-                              f"not produce (its checkpoint has: {', '.join(sorted(current))})")
+        raise CheckpointError(
+            f"checkpoint {path} holds sharded entries {missing} that the running module does "
+            f"not produce (its checkpoint has: {', '.join(sorted(current))})"
+        )
     sharded = {key: current[key] for key in keys}
     if save_id is None:
-        warnings.warn(f"checkpoint {path} records no save id (written before saves were atomic): whether its "
-                      f"shards and {LIGHTNING_FILE} come from one save cannot be checked", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} records no save id (written before saves were atomic): whether its "
+            f"shards and {LIGHTNING_FILE} come from one save cannot be checked",
+            stacklevel=2,
+        )
     else:
         sharded[SAVE_ID] = torch.zeros(16, dtype=torch.uint8)
     load_shards(sharded, path, safe)
     if save_id is not None:
         found = bytes(sharded.pop(SAVE_ID).tolist()).hex()
         if found != save_id:
-            raise CheckpointError(f"checkpoint {path} mixes two saves: {LIGHTNING_FILE} is of save {save_id}, the "
-                                  f"shards of save {found}; it cannot be resumed (a copy assembled from two "
-                                  f"checkpoints?)")
+            raise CheckpointError(
+                f"checkpoint {path} mixes two saves: {LIGHTNING_FILE} is of save {save_id}, the "
+                f"shards of save {found}; it cannot be resumed (a copy assembled from two "
+                f"checkpoints?)"
+            )
     checkpoint.update(sharded)
     return checkpoint
 
@@ -221,8 +238,10 @@ def load_shards(state: dict[str, Any], path: str | Path, safe: bool = True) -> N
     path = Path(path)
     metadata = _read_metadata(path, safe)
     if SAVE_ID in state and SAVE_ID not in metadata.state_dict_metadata:
-        raise CheckpointError(f"checkpoint {path} mixes two saves: {LIGHTNING_FILE} records a save id, its "
-                              f"shards none (shards of an older checkpoint copied in?)")
+        raise CheckpointError(
+            f"checkpoint {path} mixes two saves: {LIGHTNING_FILE} records a save id, its "
+            f"shards none (shards of an older checkpoint copied in?)"
+        )
     planner = _WeightsOnlyPlanner(path) if safe else DefaultLoadPlanner()
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=_ReaderOf(path, metadata), planner=planner)
@@ -259,17 +278,25 @@ def _unsafe_error(source: Any, what: str) -> CheckpointError:
         f"{source} was not loaded: it holds something other than weights and plain data ({what}), and "
         f"weights_only=True (the default) runs no code from a checkpoint. If you trust whoever wrote it as you "
         f"would trust a program, load it with weights_only=False (trainer.fit(..., weights_only=False)); "
-        f"or allow the type with torch.serialization.add_safe_globals")
+        f"or allow the type with torch.serialization.add_safe_globals"
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds what DCP's ``.metadata`` legitimately holds (its metadata dataclasses, sizes, dtypes, paths)
     and refuses every other global: a pickle can call any function it names."""
 
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
-                ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
 
     def __init__(self, file, path: Path):
         super().__init__(file)

@@ -32,16 +32,27 @@ class UnevenBatches(IterableDataset):
 def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
     pl.seed_everything(0, verbose=False)
     model = ToyRecommender()
-    trainer = pl.Trainer(strategy=strategy, accelerator=accelerator, devices=2, max_epochs=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator=accelerator,
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     if data == "uneven":
         trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
     else:
         trainer.fit(model, ToyDataModule(num_samples=128))
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step},
-               f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt")
+    torch.save(
+        {"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step},
+        f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt",
+    )
 
 
 def main() -> None:

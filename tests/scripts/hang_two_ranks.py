@@ -11,8 +11,9 @@ Rank 1 hangs at batch ``HANG_AT``:
 - ``caller``: stops in ``on_train_batch_start``, where every rank all-reduces on the caller's own thread
   (as Lightning's per-batch SIGTERM broadcast does), so that rank 0's caller hangs in that collective.
 
-ACCELERATOR is ``cpu`` (gloo, the default) or ``gpu`` (NCCL). Each rank writes what it prints to OUT_DIR/rank<R>.log and its pid to OUT_DIR/rank<R>.pid; rank 1 writes
-the time it hangs (``time.time()``) to OUT_DIR/hung_at.
+ACCELERATOR is ``cpu`` (gloo, the default) or ``gpu`` (NCCL). Each rank writes what it prints to
+OUT_DIR/rank<R>.log and its pid to OUT_DIR/rank<R>.pid; rank 1 writes the time it hangs (``time.time()``) to
+OUT_DIR/hung_at.
 """
 
 import os
@@ -114,17 +115,28 @@ def main(scenario: str, out_dir: str, step_timeout: float, accelerator: str = "c
     os.dup2(log.fileno(), 2)
     Path(out_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6", step_timeout=step_timeout), accelerator=accelerator,
-                         devices=2, max_steps=40, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, use_distributed_sampler=scenario == "task")
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6", step_timeout=step_timeout),
+        accelerator=accelerator,
+        devices=2,
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=scenario == "task",
+    )
     if scenario == "task":
         from small_hstu import small_data
 
         trainer.fit(hstu_stopping_in_backward(out_dir), small_data(num_users=512))
         return
     how = {"agreement": "stop", "loader": "wait"}.get(scenario)
-    model = {"caller": AllReducesBeforeEachBatch, "toy_task": StopsInBackward}.get(scenario, lambda _: ToyRecommender())(out_dir)
+    model = {"caller": AllReducesBeforeEachBatch, "toy_task": StopsInBackward}.get(
+        scenario, lambda _: ToyRecommender()
+    )(out_dir)
     trainer.fit(model, train_dataloaders=DataLoader(Batches(out_dir, how), batch_size=None))
 
 

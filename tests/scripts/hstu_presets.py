@@ -71,17 +71,30 @@ def train(run: str, steps: int, accelerator: str, out_dir: str) -> None:
     if "delays" in options:
         model.delay_seed = PRESET_NAMES.index(preset)  # a preset's runs with and without the waits: the same delays
     callbacks = [GraphUse()] if "graphs" in options else []
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs="graphs" in options, step_timeout=120),
-                         accelerator=accelerator, devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy(preset, capture_graphs="graphs" in options, step_timeout=120),
+        accelerator=accelerator,
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     with event_waits_off() if "nowaits" in options else contextlib.nullcontext():
         trainer.fit(model, data())
-    torch.save({"global_step": trainer.global_step,
-                "dense": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()},
-                "sparse": {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()},
-                "graphs": callbacks[0].use if callbacks else None},
-               f"{out_dir}/{run}.rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "global_step": trainer.global_step,
+            "dense": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()},
+            "sparse": {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()},
+            "graphs": callbacks[0].use if callbacks else None,
+        },
+        f"{out_dir}/{run}.rank{trainer.global_rank}.pt",
+    )
 
 
 def main() -> None:

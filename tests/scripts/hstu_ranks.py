@@ -62,16 +62,36 @@ def main() -> None:
     model_kwargs, data = model_and_data(args.accelerator)
     pl.seed_everything(0, verbose=False)
     model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**model_kwargs)
-    check = EveryInventory(batch=[5, args.steps // 2, args.steps - 1], path=None, print_table=False,
-                           compare_ranks=True, trace_dir=args.trace_dir)
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy(args.preset), accelerator=args.accelerator, devices=2,
-                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[check])
+    check = EveryInventory(
+        batch=[5, args.steps // 2, args.steps - 1],
+        path=None,
+        print_table=False,
+        compare_ranks=True,
+        trace_dir=args.trace_dir,
+    )
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy(args.preset),
+        accelerator=args.accelerator,
+        devices=2,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[check],
+    )
     trainer.fit(model, data())
-    torch.save({"global_step": trainer.global_step, "compared": check.compared,
-                "inventories": [[asdict(c) for c in inventory] for inventory in check.inventories],
-                "weights": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()}},
-               f"{args.out_dir}/rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "global_step": trainer.global_step,
+            "compared": check.compared,
+            "inventories": [[asdict(c) for c in inventory] for inventory in check.inventories],
+            "weights": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()},
+        },
+        f"{args.out_dir}/rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,10 @@ def shards(state: dict) -> dict:
 
 
 def state_of(model: HSTURecommender) -> dict:
-    return {"model": shards(model.state_dict()),
-            "sparse_optimizer": shards(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"])}
+    return {
+        "model": shards(model.state_dict()),
+        "sparse_optimizer": shards(model.embeddings.model_parallel.fused_optimizer.state_dict()["state"]),
+    }
 
 
 def inject_into_lightning_file(name: str, kill: bool) -> None:
@@ -104,8 +106,9 @@ def main() -> None:
     parser.add_argument("--kill-in-lightning-file")
     args = parser.parse_args()
     if args.fail_lightning_file or args.kill_in_lightning_file:
-        inject_into_lightning_file(args.fail_lightning_file or args.kill_in_lightning_file,
-                                   kill=bool(args.kill_in_lightning_file))
+        inject_into_lightning_file(
+            args.fail_lightning_file or args.kill_in_lightning_file, kill=bool(args.kill_in_lightning_file)
+        )
     model_kwargs, data = model_and_data(args.accelerator)
     pl.seed_everything(0, verbose=False)
     model = HSTURecommender(**model_kwargs)
@@ -113,17 +116,35 @@ def main() -> None:
     state_at = StateAt(args.state_at)
     callbacks = [recorder, state_at]
     if args.save_every:
-        callbacks.append(ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=args.save_every,
-                                         save_top_k=args.keep,
-                                         filename="{step}"))
-    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator=args.accelerator,
-                         devices=args.devices, max_steps=args.max_steps, logger=False,
-                         enable_checkpointing=bool(args.save_every), enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.out_dir, every_n_train_steps=args.save_every, save_top_k=args.keep, filename="{step}"
+            )
+        )
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator=args.accelerator,
+        devices=args.devices,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=bool(args.save_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(model, data(), ckpt_path=args.resume)
-    torch.save({"state": state_of(model), "state_at": state_at.state, "losses": recorder.losses,
-                "users": recorder.users, "global_step": trainer.global_step},
-               f"{args.out_dir}/rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "state": state_of(model),
+            "state_at": state_at.state,
+            "losses": recorder.losses,
+            "users": recorder.users,
+            "global_step": trainer.global_step,
+        },
+        f"{args.out_dir}/rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":
