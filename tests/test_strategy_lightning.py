@@ -257,3 +257,32 @@ def test_lightnings_profiler_times_each_training_batch_as_under_its_own_loop(pre
         counts[name] = (len(profiler.recorded_durations["run_training_batch"]), trainer.global_step)
     assert counts["engine"] == counts["lightning"]
     assert counts["engine"][0] == counts["engine"][1] > 0
+
+
+class CountedTransfer(HSTUPipelineStrategy):
+    """A strategy whose batch transfer a user changed: it must move every training batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.threads = []
+
+    def batch_to_device(self, batch, device=None, dataloader_idx=0):
+        self.threads.append(threading.current_thread().name)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+
+class CountsTransferHooks(ToyRecommender):
+    after_transfer = 0
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.after_transfer += 1
+        return batch
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_the_strategys_batch_to_device_moves_every_training_batch_through_the_modules_hooks(preset):
+    strategy = CountedTransfer(preset)
+    model, trainer = fit(strategy, model_cls=CountsTransferHooks, limit_val_batches=0)
+    assert len(strategy.threads) == model.after_transfer == trainer.global_step == 24  # 2 epochs of 12
+    io = strategy.plan.task("h2d").thread
+    assert set(strategy.threads) == {f"hstu-{io}"}  # on the thread the plan gives h2d

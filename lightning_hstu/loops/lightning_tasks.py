@@ -89,17 +89,13 @@ class LightningTasks:
     # ----- the io side: runs ahead, on another thread, so it must not touch Lightning's hook state ---
 
     def h2d(self, b: BatchView) -> None:
-        """Lightning's batch transfer: convert_input, then the three transfer hooks of the module (or
-        datamodule). The hooks are called directly rather than through Lightning's hook caller, which
-        would rename the hook being run while training_step may be logging on another thread."""
+        """Lightning's batch transfer: convert_input, then the strategy's ``batch_to_device`` (which, in
+        HSTUPipelineStrategy, runs the transfer hooks without touching Lightning's hook state: this task runs
+        on another thread than training_step)."""
         trainer = self.trainer
+        strategy = trainer.strategy
         batch = trainer.precision_plugin.convert_input(b["batch"])
-        batch = self._data_hook("on_before_batch_transfer")(batch, 0)
-        batch = self._data_hook("transfer_batch_to_device")(batch, trainer.strategy.root_device, 0)
-        b["device_batch"] = self._data_hook("on_after_batch_transfer")(batch, 0)
-
-    def _data_hook(self, name: str):
-        return getattr(self.trainer._data_connector._datahook_selector.get_instance(name), name)
+        b["device_batch"] = strategy.batch_to_device(batch, strategy.root_device, dataloader_idx=0)
 
     # ----- lookahead 0: what Lightning's automatic optimization does --------------------------------
 

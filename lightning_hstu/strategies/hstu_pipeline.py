@@ -175,6 +175,25 @@ class HSTUPipelineStrategy(DDPStrategy):
         ``on_train_batch_end``."""
         return () if self._epoch_loop is None else self._epoch_loop.step_records()
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """The module's (or its data module's) three transfer hooks, ``on_before_batch_transfer``,
+        ``transfer_batch_to_device`` and ``on_after_batch_transfer``, as Lightning's strategies run them, but
+        called directly: the engine's h2d task calls this on its own thread while ``training_step`` may be
+        logging on another, and Lightning's hook caller would rename the hook being run under it. Override
+        it (calling ``super()``) to change how every training and evaluation batch reaches the device."""
+        module = self.lightning_module
+        device = device or self.root_device
+        if module is None or module._trainer is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        selector = module.trainer._data_connector._datahook_selector
+        for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"):
+            run = getattr(selector.get_instance(hook), hook)
+            batch = (
+                run(batch, device, dataloader_idx) if hook == "transfer_batch_to_device" else run(batch, dataloader_idx)
+            )
+        return batch
+
     def task_stream(self, task: str) -> Any:
         """The CUDA stream the engine runs ``task`` on (None on CPU or before the engine started): for a task
         that hands work to another, as the embedding prefetch tells fbgemm where the lookup will run."""
