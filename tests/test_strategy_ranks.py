@@ -52,3 +52,18 @@ def test_a_rank_with_fewer_batches_ends_the_epoch_for_all(tmp_path):
         assert [idx for idx, _ in rank["seen"]] == list(range(6)) * 2
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(ranks[1]["weights"][name], value), name
+
+
+def test_every_rank_stops_when_rank_0_received_sigterm_and_only_then(tmp_path):
+    """Lightning's per-batch SIGTERM check (on the strategy's gloo agreement group, not a device tensor on the
+    default group): rank 0's flag decides for every rank, as under Lightning's own loop."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).parent / "scripts" / "sigterm_two_ranks.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300, cwd=out, env=launch_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        raised = torch.load(out / f"rank{rank}.pt", weights_only=False)["raised"]
+        assert raised == {(False, False): False, (False, True): False, (True, False): True, (True, True): True}, rank

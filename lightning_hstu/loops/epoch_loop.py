@@ -17,6 +17,7 @@ from lightning.pytorch.loops.fetchers import _DataFetcher, _DataLoaderIterDataFe
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from typing_extensions import override
 
@@ -185,6 +186,21 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer.profiler.start("run_training_batch")  # Lightning's section: this batch's lookahead-0 tasks
         self._profiling = True
         return True
+
+    @override
+    def _broadcast_sigterm_tensor(self) -> None:
+        """Lightning's per-batch check whether rank 0 received SIGTERM, with Lightning's decision, but on the
+        strategy's gloo agreement group: Lightning broadcasts a tensor on the device over the default group and
+        reads it back with ``.item()``, which on a GPU waits for every collective queued before it on that
+        group's NCCL stream (the steps' all-to-alls and all-reduces) before the next step can be queued."""
+        try:
+            stop = self._strategy.rank_zero_flag(bool(getattr(self.trainer, "received_sigterm", False)))
+        except Exception:  # as Lightning: a failed broadcast does not stop training
+            stop = False
+        if stop:
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()  # as Lightning: every rank leaves together
+            raise SIGTERMException()
 
     def _finish_batch(self, result: StepResult) -> None:
         """Lightning's end of a batch, after the step that trained it."""

@@ -247,6 +247,15 @@ class HSTUPipelineStrategy(DDPStrategy):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._data_group)
         return bool(flag.item())
 
+    def rank_zero_flag(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank (this rank's own on a single process): a broadcast on the same gloo
+        group as ``all_ranks``, between steps (Lightning's per-batch "did rank 0 get SIGTERM")."""
+        if self._data_group is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.broadcast(value, src=0, group=self._data_group)
+        return bool(value.item())
+
     # ----- checkpoints: a directory through torch.distributed.checkpoint when tables are sharded ----------
 
     @override

@@ -1,0 +1,50 @@
+"""Two gloo ranks train the toy recommender briefly under the engine; then each asks the epoch loop's
+per-batch SIGTERM check, with each combination of the ranks' ``received_sigterm``; run by
+test_strategy_ranks.py.
+
+    python sigterm_two_ranks.py OUT_DIR
+
+Each rank saves, per combination (rank 0's flag, rank 1's flag), whether the check raised Lightning's
+``SIGTERMException`` on it, to OUT_DIR/rank<R>.pt.
+"""
+
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.data.toy import ToyDataModule
+from lightning_hstu.models.toy import ToyRecommender
+
+
+def main(out_dir: str) -> None:
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(ToyRecommender(), ToyDataModule(num_samples=128))
+    rank, loop = trainer.global_rank, trainer.fit_loop.epoch_loop
+    raised = {}
+    for flags in ((False, False), (False, True), (True, False), (True, True)):
+        trainer._signal_connector.received_sigterm = flags[rank]
+        try:
+            loop._broadcast_sigterm_tensor()
+            raised[flags] = False
+        except SIGTERMException:
+            raised[flags] = True
+    torch.save({"raised": raised}, f"{out_dir}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
