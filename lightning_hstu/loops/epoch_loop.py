@@ -226,7 +226,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
 
     def _context(self, step: int) -> StepContext:
         engine = self._engine
-        return StepContext(step, engine.slots(step), engine.plan, engine, self._strategy.all_ranks)
+        return StepContext(step, engine.slots(step), engine, self._strategy.all_ranks)
 
     def _is_last(self, step: int) -> bool:
         # The ring has pulled ahead, so the end of data is usually known already (always with depth >= 2).

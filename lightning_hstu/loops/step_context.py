@@ -19,9 +19,13 @@ class StepContext:
     slots: Mapping[str, Any]
     """The batch's slots, read-only: what the tasks of earlier steps and this step's tasks before the
     reader wrote (``embeddings`` and ``global_tokens`` for ``training_step``)."""
-    plan: Plan
     _engine: Engine
     _all_ranks: Callable[[bool], bool]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the engine runs."""
+        return self._engine.plan
 
     @property
     def captured(self) -> bool:

@@ -15,7 +15,7 @@ import functools
 import importlib.util
 import math
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -33,6 +33,9 @@ from ..hstu.sparse import ShardedEmbeddings
 from ..hstu.step import dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
+
+if TYPE_CHECKING:
+    from ..loops import StepContext
 
 RETRIEVAL_LOSSES = ("auto", "full", "sampled", "in_batch")
 """The retrieval loss, a softmax of each position's next item against negatives (cosine scores over a
@@ -332,25 +335,29 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     def training_step(self, batch: HSTUBatch, batch_idx: int):
         self._last_batch = batch  # for flops_per_batch (read only if asked: it waits for the lengths)
-        embeddings, tokens, graphed = self._step_inputs(batch, batch_idx)
+        step = getattr(self.trainer.strategy, "step_context", None)  # None under Lightning's own loop
+        embeddings, tokens, graphed = self._step_inputs(batch, batch_idx, step)
         retrieval, ranking = dense_losses(self.objectives, batch, embeddings, graphed)
         scale = global_token_scale(tokens)
-        loss = self._checked((retrieval + ranking) * scale, batch_idx, embeddings)
+        loss = self._checked((retrieval + ranking) * scale, batch_idx, embeddings, step)
         self._log_step(batch.size, loss, retrieval * scale, ranking * scale)
         return loss
 
-    def _step_inputs(self, batch: HSTUBatch, batch_idx: int) -> tuple[dict, torch.Tensor, GraphedMethod | None]:
+    def _step_inputs(
+        self, batch: HSTUBatch, batch_idx: int, step: "StepContext | None"
+    ) -> tuple[dict, torch.Tensor, GraphedMethod | None]:
         """The batch's embeddings, the global token count and the graphs to run the dense part through (None:
         eager). Under the engine its tasks produced the first two; under Lightning's own loop they are
         computed here, in order (and the batch is not shuffled across ranks)."""
-        step = getattr(self.trainer.strategy, "step_context", None)
         if step is not None:
             graphed = self.hstu_graphs()["forward"] if step.captured else None
             return step.slots["embeddings"], step.slots["global_tokens"], graphed
         self._unpipelined_batch = batch_idx
         return self.embeddings(self.sparse_features(batch)), global_tokens(batch), None
 
-    def _checked(self, loss: torch.Tensor, batch_idx: int, embeddings: dict) -> torch.Tensor:
+    def _checked(
+        self, loss: torch.Tensor, batch_idx: int, embeddings: dict, step: "StepContext | None"
+    ) -> torch.Tensor:
         """``on_nonfinite_loss``: "stop" keeps the finite flag for the watchdog task (no wait here); "raise" and
         "skip" agree on it across ranks before backward, waiting for the forward on the GPU, and turn a
         non-finite loss into an exact zero: every rank must still run backward (its all-to-alls and
@@ -358,10 +365,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         if self.hparams.on_nonfinite_loss == "stop":
             self._finite_flags[batch_idx] = torch.isfinite(loss.detach())
             return loss
-        strategy = self.trainer.strategy
-        step = getattr(strategy, "step_context", None)
         finite = bool(torch.isfinite(loss))
-        if step.all_ranks(finite) if step is not None else strategy.reduce_boolean_decision(finite):
+        if step.all_ranks(finite) if step is not None else self.trainer.strategy.reduce_boolean_decision(finite):
             return loss
         self._nonfinite.add(batch_idx)
         zero = sum(p.sum() for p in self.objectives.parameters()) * 0.0
