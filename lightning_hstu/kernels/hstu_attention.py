@@ -359,17 +359,20 @@ def _bias_grads(
     high,
     base,
     d_position,
-    d_time,
+    dtime,
     scale,
     num_positions,
     KEYS_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
 ):
     """Adds a tile's score gradients ``ds`` to the bias tables' gradients: per position entry the sum over
-    a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), per time bucket the sum over
-    the pairs in it. ``ds`` is [keys, queries] if ``KEYS_FIRST`` else [queries, keys]."""
+    a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), atomically; per time bucket
+    the sum over the pairs in it, into the program's ``dtime`` (``TIME_BLOCK`` sums in registers, added to
+    the table's gradient once at the program's end). ``ds`` is [keys, queries] if ``KEYS_FIRST`` else
+    [queries, keys]. Returns ``dtime``."""
     diagonal = tl.arange(0, SKEW)
     if KEYS_FIRST:  # the query column of diagonal e in key row c: c + e - (BLOCK_N - 1)
         skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)
@@ -385,17 +388,26 @@ def _bias_grads(
         mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1),
         sem="relaxed",
     )
+    slots = tl.arange(0, TIME_BLOCK)
     if low == high:  # one bucket for the whole tile (usual away from the diagonal)
-        tl.atomic_add(d_time + low, tl.sum(ds) * scale, sem="relaxed")
+        dtime += tl.where(slots == low, tl.sum(ds), 0.0)
     else:
         for b in range(low, high + 1):
-            tl.atomic_add(d_time + b, tl.sum(tl.where(bucket == b, ds, 0.0)) * scale, sem="relaxed")
+            dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
+    return dtime
+
+
+@triton.jit
+def _add_time_grads(d_time, dtime, scale, num_buckets, TIME_BLOCK: tl.constexpr):
+    slots = tl.arange(0, TIME_BLOCK)
+    tl.atomic_add(d_time + slots, dtime * scale, mask=(slots < num_buckets) & (dtime != 0.0), sem="relaxed")
 
 
 @triton.jit
 def _dkdv_tile(
     dk,
     dv,
+    dtime,
     k,
     v,
     ts_j,
@@ -406,7 +418,6 @@ def _dkdv_tile(
     dOut,
     ts,
     d_position,
-    d_time,
     position_table,
     time_table,
     n,
@@ -427,6 +438,7 @@ def _dkdv_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
 ):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
     rows = row + tl.arange(0, BLOCK_M)
@@ -461,10 +473,23 @@ def _dkdv_tile(
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
     if BIAS_GRADS:
-        _bias_grads(
-            ds, bucket, low, high, row - first, d_position, d_time, inv_n, num_positions, True, BLOCK_M, BLOCK_N, SKEW
+        dtime = _bias_grads(
+            ds,
+            bucket,
+            low,
+            high,
+            row - first,
+            d_position,
+            dtime,
+            inv_n,
+            num_positions,
+            True,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+            TIME_BLOCK,
         )
-    return dk, dv
+    return dk, dv, dtime
 
 
 @triton.jit
@@ -506,6 +531,7 @@ def _hstu_bwd_dkdv(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
 ):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
     start, n = _sequence(offsets, seq)
@@ -523,12 +549,14 @@ def _hstu_bwd_dkdv(
     inv_n = 1.0 / n.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)  # the time table's gradient from this program's tiles
     low = (first // BLOCK_M) * BLOCK_M
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
-        dk, dv = _dkdv_tile(
+        dk, dv, dtime = _dkdv_tile(
             dk,
             dv,
+            dtime,
             k,
             v,
             ts_j,
@@ -539,7 +567,6 @@ def _hstu_bwd_dkdv(
             dOut,
             ts,
             d_position,
-            d_time,
             position_table,
             time_table,
             n,
@@ -560,11 +587,13 @@ def _hstu_bwd_dkdv(
             BLOCK_M,
             BLOCK_N,
             SKEW,
+            TIME_BLOCK,
         )
     for row in range(unmasked, n, BLOCK_M):
-        dk, dv = _dkdv_tile(
+        dk, dv, dtime = _dkdv_tile(
             dk,
             dv,
+            dtime,
             k,
             v,
             ts_j,
@@ -575,7 +604,6 @@ def _hstu_bwd_dkdv(
             dOut,
             ts,
             d_position,
-            d_time,
             position_table,
             time_table,
             n,
@@ -596,16 +624,20 @@ def _hstu_bwd_dkdv(
             BLOCK_M,
             BLOCK_N,
             SKEW,
+            TIME_BLOCK,
         )
     _store_rows(
         dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
     )
     _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM, BLOCK_D)
+    if BIAS_GRADS:
+        _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
 @triton.jit
 def _dq_tile(
     dq,
+    dtime,
     q,
     do,
     ts_i,
@@ -616,7 +648,6 @@ def _dq_tile(
     V,
     ts,
     d_position,
-    d_time,
     position_table,
     time_table,
     n,
@@ -637,6 +668,7 @@ def _dq_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
 ):
     cols, k, v, s, sig, bucket, low, high = _query_tile(
         q,
@@ -667,10 +699,23 @@ def _dq_tile(
     if MASKED:
         ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
     if BIAS_GRADS:
-        _bias_grads(
-            ds, bucket, low, high, first - key, d_position, d_time, inv_n, num_positions, False, BLOCK_M, BLOCK_N, SKEW
+        dtime = _bias_grads(
+            ds,
+            bucket,
+            low,
+            high,
+            first - key,
+            d_position,
+            dtime,
+            inv_n,
+            num_positions,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+            TIME_BLOCK,
         )
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
 
 
 @triton.jit
@@ -709,6 +754,7 @@ def _hstu_bwd_dq(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -725,10 +771,12 @@ def _hstu_bwd_dq(
     do = _rows(dOut + start * stride_don + head * stride_doh, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
     dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)
     inv_n = 1.0 / n.to(tl.float32)
     for key in range(0, first, BLOCK_N):
-        dq = _dq_tile(
+        dq, dtime = _dq_tile(
             dq,
+            dtime,
             q,
             do,
             ts_i,
@@ -739,7 +787,6 @@ def _hstu_bwd_dq(
             V,
             ts,
             d_position,
-            d_time,
             position_table,
             time_table,
             n,
@@ -760,10 +807,12 @@ def _hstu_bwd_dq(
             BLOCK_M,
             BLOCK_N,
             SKEW,
+            TIME_BLOCK,
         )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
-        dq = _dq_tile(
+        dq, dtime = _dq_tile(
             dq,
+            dtime,
             q,
             do,
             ts_i,
@@ -774,7 +823,6 @@ def _hstu_bwd_dq(
             V,
             ts,
             d_position,
-            d_time,
             position_table,
             time_table,
             n,
@@ -795,10 +843,13 @@ def _hstu_bwd_dq(
             BLOCK_M,
             BLOCK_N,
             SKEW,
+            TIME_BLOCK,
         )
     _store_rows(
         dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
     )
+    if BIAS_GRADS:
+        _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
@@ -950,6 +1001,7 @@ class _HSTUAttention(torch.autograd.Function):
                 **ctx.sizes,
                 **config,
                 SKEW=skew,
+                TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())),
                 BIAS_GRADS=in_dq == (kind == "dq"),
             )
         return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
