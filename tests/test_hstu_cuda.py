@@ -20,6 +20,7 @@ from lightning_hstu.callbacks import CollectiveInventoryCallback, TraceCallback
 from lightning_hstu.callbacks.collectives import format_inventory
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.models.hstu import HSTURecommender, token_capacity
+from lightning_hstu.models.hstu_layers import _compiled_token_wise
 from lightning_hstu.plan import EdgeKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,8 +193,10 @@ class FusedGraphs(HSTURecommender):
         return {"forward": self._graphed}
 
 
-@pytest.mark.parametrize("preset", ["legacy_none", "full_split_d6"])
-def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(preset):
+@pytest.mark.parametrize(
+    "preset, compile_layers", [("legacy_none", False), ("full_split_d6", False), ("legacy_none", True)]
+)
+def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(preset, compile_layers):
     """Jagged inputs grown to a capacity (a few per power of two): one graph per capacity seen; a batch whose
     capacity was captured replays it; the weights equal the eager run's."""
 
@@ -201,8 +204,9 @@ def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its
         warmup = 10**9
 
     eager_use, use = GraphUse(), GraphUse()
-    eager = train(preset, FusedEager, callbacks=[eager_use], capture_graphs=True, attention="fused")
-    graphed = train(preset, FusedGraphs, callbacks=[use], capture_graphs=True, attention="fused")
+    options = dict(capture_graphs=True, attention="fused", compile_layers=compile_layers)
+    eager = train(preset, FusedEager, callbacks=[eager_use], **options)
+    graphed = train(preset, FusedGraphs, callbacks=[use], **options)
     assert_close_weights(graphed, eager)
     capacities = use.capacities
     assert len(capacities) == STEPS
@@ -245,6 +249,23 @@ def test_the_fused_attention_trains_like_the_padded_reference():
     fused = train("default_d6", DenseSGD, attention="fused", steps=1, sparse_lr=1.0)
     padded = train("default_d6", DenseSGD, attention="padded", steps=1, sparse_lr=1.0)
     assert_close_weights(fused, padded)
+
+
+def test_the_compiled_token_wise_parts_train_like_eager_ones():
+    """compile_layers: the layers' norms, SiLU, gating and residual adds through
+    torch.compile, against the same ops run eagerly: the losses of every step, and every weight after one
+    SGD step at lr 1 (fp32: only the order of the norms' sums differs)."""
+    _compiled_token_wise.cache_clear()
+    compiled_losses, eager_losses = Losses(), Losses()
+    train("default_d6", callbacks=[compiled_losses], attention="fused", compile_layers=True)
+    assert _compiled_token_wise.cache_info().currsize == 1  # the compiled functions ran
+    train("default_d6", callbacks=[eager_losses], attention="fused", compile_layers=False)
+    torch.testing.assert_close(
+        torch.tensor(compiled_losses.losses), torch.tensor(eager_losses.losses), rtol=1e-4, atol=1e-5
+    )
+    compiled = train("default_d6", DenseSGD, attention="fused", steps=1, sparse_lr=1.0, compile_layers=True)
+    eager = train("default_d6", DenseSGD, attention="fused", steps=1, sparse_lr=1.0, compile_layers=False)
+    assert_close_weights(compiled, eager)
 
 
 def test_the_trace_has_a_track_per_cuda_stream_and_consumers_start_after_their_producers(tmp_path):

@@ -87,7 +87,9 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     and ``temperature``; ``ranking_weight``, the next-action loss's weight (0 drops it and its head);
     ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); AdamW's ``lr``,
     ``weight_decay`` and ``betas`` for the dense part, ``sparse_optimizer`` and ``sparse_lr`` for the
-    tables. Evaluated by ``RankingEvaluation``."""
+    tables. Speed: ``attention`` (``ATTENTION``) and ``compile_layers`` (``HSTUConfig``: the layers'
+    token-wise parts through ``torch.compile`` where the fused attention runs on CUDA). Evaluated by
+    ``RankingEvaluation``."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         input_dropout: float = 0.0,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.999),
+        compile_layers: bool = False,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -138,6 +141,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             position_embedding=position_embedding,
             scale_inputs=scale_inputs,
             input_dropout=input_dropout,
+            compile_layers=compile_layers,
         )
         self.num_items = num_items
         self.objectives = HSTUObjectives(

@@ -8,9 +8,12 @@ Two layouts of the same computation. Padded (``HSTUStack.forward``): sequences p
 mask, attention in plain PyTorch over ``[B, heads, L, L]`` scores; the reference, and the CPU path.
 Jagged (``HSTUStack.jagged``): the tokens of every sequence back to back, ``[N, D]``, with offsets; the
 token-wise parts run on the real tokens only and attention is the fused Triton kernel
-(``kernels.hstu_attention``), which never makes an ``L x L`` tensor.
+(``kernels.hstu_attention``), which never makes an ``L x L`` tensor; on CUDA the token-wise parts of each
+layer can be compiled by ``torch.compile`` (``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU,
+gating and residual add into one or two kernels where eager PyTorch runs one kernel per op.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +49,13 @@ class HSTUConfig:
     embeddings from being drowned by the position rows (both start at the same scale)."""
     input_dropout: float = 0.0
     """Dropout on the input tokens (after the position embedding), before the first layer."""
+    compile_layers: bool = False
+    """On the jagged layout on CUDA, run each layer's token-wise parts (norm, f1 and SiLU; the attention
+    output's norm, U-gating, f2, dropout and the residual add) through ``torch.compile`` (Inductor, dynamic
+    token counts: one compilation for every batch, a second one above 40k tokens). Less GPU time, more host
+    time per call: worth it where the dense part is replayed from CUDA graphs (the strategy's
+    ``capture_graphs``), a loss where the step waits on the host. The first step pays the compilation
+    (tens of seconds on a fresh machine, a few with Inductor's cache). Elsewhere they run eagerly."""
 
 
 class RelativeBias(nn.Module):
@@ -124,9 +134,32 @@ class HSTULayer(nn.Module):
     def forward(self, x: torch.Tensor, tokens: "PaddedTokens | JaggedTokens") -> torch.Tensor:
         """``x``: ``[B, L, D]`` with ``PaddedTokens`` or ``[N, D]`` with ``JaggedTokens``."""
         h, a, d = self.heads, self.attention_dim, self.hidden_dim
-        u, v, q, k = F.silu(self.f1(self.norm(x))).split([h * d, h * d, h * a, h * a], dim=-1)
+        compiled = getattr(tokens, "compiled", False)
+        inputs, output = _compiled_token_wise() if compiled else (_layer_inputs, _layer_output)
+        u, v, q, k = inputs(self.norm, self.f1, x).split([h * d, h * d, h * a, h * a], dim=-1)
         y = tokens.attend(q.unflatten(-1, (h, a)), k.unflatten(-1, (h, a)), v.unflatten(-1, (h, d)), self.bias)
+        if compiled:  # jagged: every row is a real token (or spare capacity), nothing to mask
+            return output(self.attention_norm, self.f2, self.dropout, x, y.flatten(-2), u)
         return x + tokens.keep(self.dropout(self.f2(self.attention_norm(y.flatten(-2)) * u)))
+
+
+def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """SiLU(f1(Norm(x))): U, V, Q and K side by side."""
+    return F.silu(f1(norm(x)))
+
+
+def _layer_output(
+    norm: nn.Module, f2: nn.Module, dropout: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """x + f2(Norm(A V) * U), with dropout before the residual add (jagged: no padding to keep)."""
+    return x + dropout(f2(norm(y) * u))
+
+
+@functools.cache
+def _compiled_token_wise():
+    """The two token-wise functions compiled once per process (the layers' modules are their arguments,
+    so every layer shares the compiled code); dynamic in the token count."""
+    return torch.compile(_layer_inputs, dynamic=True), torch.compile(_layer_output, dynamic=True)
 
 
 class PaddedTokens(NamedTuple):
@@ -162,6 +195,8 @@ class JaggedTokens(NamedTuple):
     """[N] each token's time in seconds."""
     max_len: int
     """At least the longest sequence (sizes the kernel's grid)."""
+    compiled: bool = False
+    """Run the layers' token-wise parts through ``torch.compile`` (``HSTUConfig.compile_layers``)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: RelativeBias) -> torch.Tensor:
         from ..kernels.hstu_attention import hstu_attention  # Triton: only the jagged layout needs it
@@ -196,7 +231,8 @@ class HSTUStack(nn.Module):
         rows = torch.arange(len(x), device=x.device)
         sequence = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=len(offsets) - 2)
         positions = (rows - offsets[sequence]).clamp(0, self.max_seq_len - 1)  # rows past the real ones: any
-        return self._run(self._inputs(x, positions), JaggedTokens(offsets, timestamps, self.max_seq_len))
+        compiled = self.config.compile_layers and x.is_cuda
+        return self._run(self._inputs(x, positions), JaggedTokens(offsets, timestamps, self.max_seq_len, compiled))
 
     def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout."""
