@@ -23,7 +23,7 @@ from small_hstu import SMALL_MODEL, small_data
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
-from lightning_hstu.hstu.step import global_token_loss
+from lightning_hstu.hstu.step import global_token_loss, in_bags
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
@@ -163,6 +163,40 @@ def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch
     the whole item table, so the loss is additive over samples."""
     for mean, single in run_on_ranks(_global_token_loss, tmp_path):
         assert mean == pytest.approx(single, rel=1e-5)
+
+
+def _bagged_lookup(rank, world):
+    """Each rank looks up its own batch (a different number of ids, so a different number of bags) once as
+    the batch holds it and once in bags of at most 4 ids."""
+    data = small_data()
+    data.setup()
+    batch = HSTUBatch.concat(list(data.train_dataloader())[rank : rank + 2 + rank])
+    tables = embedding_tables(SMALL_MODEL["embedding_dim"], data.num_items, data.num_users, data.num_actions)
+    torch.manual_seed(0)
+    embeddings = ShardedEmbeddings(tables, torch.device("cpu"))
+    keys = batch.features.keys()
+    features = batch.features.split([4, len(keys) - 4])[0]
+    bagged = in_bags(features, 4)
+    with torch.no_grad():
+        whole, in_four = embeddings(features), embeddings(bagged)
+    return (
+        features.stride(),
+        bagged.stride(),
+        int(bagged.lengths().max()),
+        {k: bool(torch.equal(whole[k].values(), in_four[k].values())) for k in features.keys()},
+        {k: bool(torch.equal(features[k].values(), bagged[k].values())) for k in features.keys()},
+    )
+
+
+def test_ids_looked_up_in_small_bags_get_the_rows_of_their_histories(tmp_path):
+    """fbgemm's lookup walks a bag's ids one after another, so the features are looked up in bags of
+    LOOKUP_BAG ids: the same ids in the same order, every row as before, also when the ranks' batches
+    split into different numbers of bags."""
+    results = run_on_ranks(_bagged_lookup, tmp_path)
+    assert results[0][1] != results[1][1]  # the all-to-alls carried different strides
+    for stride, bags, longest, rows_equal, ids_equal in results:
+        assert bags > stride and longest <= 4
+        assert all(rows_equal.values()) and all(ids_equal.values()), (rows_equal, ids_equal)
 
 
 def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
