@@ -24,23 +24,28 @@ SHAPES = {
     "seed": dict(max_len=4096, heads=4, dim=128),
     "seed_h8": dict(max_len=4096, heads=8, dim=128),
 }
-SWEEP = [  # candidate launch settings (each one checked against the reference before it is timed)
-    {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
-    for m, n, w, s in [
-        (64, 64, 4, 2),
-        (128, 64, 8, 2),
-        (128, 64, 4, 2),
-        (128, 32, 4, 3),
-        (64, 32, 4, 3),
-        (128, 64, 8, 3),
+SWEEP = (  # candidate launch settings, one kernel at a time (each checked against the reference before timing)
+    [
+        {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
     ]
-] + [
-    {
-        "dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
-        "dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s),
-    }
-    for m, n, w, s in [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)]
-]
+    + [
+        {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [
+            (32, 64, 4, 3),
+            (32, 64, 8, 2),
+            (64, 64, 8, 2),
+            (32, 128, 8, 2),
+            (64, 128, 8, 2),
+            (32, 128, 8, 3),
+            (16, 64, 4, 3),
+        ]
+    ]
+    + [
+        {"dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
+    ]
+)
 
 
 def lengths_for(batch, max_len, gen):

@@ -108,6 +108,7 @@ def model_sizes(sizes, attention="auto") -> dict:
         dropout=0.0,
         attention=attention,
         retrieval_loss="sampled",
+        compile_layers=sizes.get("compile_layers", False),
     )  # 16 sampled negatives per history
 
 
@@ -311,13 +312,19 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def kernel_ms_per_step(run, batches, device):
+def kernels_per_step(run, batches, device):
+    """GPU kernel ms per step, and each kernel's (name, ms per step, launches per step), heaviest first."""
     if device.type != "cuda":
-        return None
+        return None, []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(batches)
         _sync(device)
-    return _kernel_ms(prof, len(batches))
+    steps = len(batches)
+    kernels = sorted(
+        ((e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()),
+        key=lambda k: -k[1],
+    )
+    return _kernel_ms(prof, steps), [k for k in kernels if k[1] > 0]
 
 
 def _kernel_ms(profiler, steps) -> float:
@@ -337,12 +344,14 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         ms, extra = timed(run, batches[warmup:], device)
         times.append(ms)
         records = extra if isinstance(extra, list) else records
+    kernel_ms, kernels = kernels_per_step(run, batches[warmup:], device)
     return {
         "mode": name,
         "ms": statistics.median(times),
         "best": min(times),
         "spread": max(times) - min(times),
-        "kernel_ms": kernel_ms_per_step(run, batches[warmup:], device),
+        "kernel_ms": kernel_ms,
+        "kernels": kernels,
         "records": records,
         "record_steps": len(batches) - warmup,
         "peak_gib": _peak_gib(device),
@@ -404,6 +413,8 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
+    if args.plain_only:
+        return results, model
     for preset in args.presets:
         run, engine = run_engine(model, optimizer, autocast, device, preset)
         try:
@@ -444,7 +455,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     return results, model
 
 
-def report(say, results, model, measured, negatives, world, steps):
+def report(say, results, model, measured, negatives, world, steps, kernels=0):
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
@@ -466,6 +477,11 @@ def report(say, results, model, measured, negatives, world, steps):
             f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
             f"{thread_host_ms(r['records'], r['record_steps'])}"
         )
+    for r in results if kernels else ():
+        if r.get("kernels"):
+            say(f"the {kernels} heaviest GPU kernels of '{r['mode']}' per step (of {r['kernel_ms']:.2f} ms):")
+            for name, ms, launches in r["kernels"][:kernels]:
+                say(f"  {ms:8.3f} ms {ms / r['kernel_ms']:6.1%} {launches:6.1f}x  {name[:110]}")
     before, after, shuffled = model.balance_totals
     if shuffled and world > 1:
         say(
@@ -484,6 +500,10 @@ def main():
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
     parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
+    parser.add_argument("--plain-only", action="store_true", help="only the plain loop (with --kernels: a profile)")
+    parser.add_argument(
+        "--kernels", type=int, default=0, metavar="N", help="print the N heaviest GPU kernels of each mode per step"
+    )
     parser.add_argument(
         "--no-user-path",
         action="store_true",
@@ -504,6 +524,14 @@ def main():
         default=["auto"],
         choices=["auto", "fused", "padded"],
         help="auto: fused on CUDA, padded elsewhere",
+    )
+    parser.add_argument(
+        "--compile-layers",
+        nargs="+",
+        default=["off"],
+        choices=["on", "off"],
+        help="HSTURecommender(compile_layers=...): the layers' token-wise parts through torch.compile (fused "
+        "attention on CUDA only)",
     )
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -527,7 +555,8 @@ def main():
         sizes = SMALL if args.small else WORKLOADS[workload]
         batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        for attention, shuffler in itertools.product(args.attention, args.shuffler):
+        for attention, shuffler, compiled in itertools.product(args.attention, args.shuffler, args.compile_layers):
+            sizes = {**sizes, "compile_layers": compiled == "on"}
             say(
                 f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
                 f"per batch"
@@ -540,7 +569,7 @@ def main():
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()
                 continue
-            report(say, results, model, batches[args.warmup :], negatives, world, args.steps)
+            report(say, results, model, batches[args.warmup :], negatives, world, args.steps, args.kernels)
     dist.destroy_process_group()
 
 
