@@ -20,8 +20,9 @@ The bias gradients are sums of the score gradient over the pairs that share a ta
 position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows; the time
 table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
 buckets are wide there, and the forward then adds one number for the whole tile too), else one sum per
-bucket of the tile's range. Each ends in a few atomic adds into fp32 sums (their order varies from run to
-run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit).
+bucket of the tile's range. The position sums go to the table's gradient by atomic adds per tile; the
+time sums stay in the program's registers (one per bucket) and are added once at its end. The atomic adds'
+order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
 capacity for CUDA graphs). Programs of blocks past a sequence's end exit at once, so the grid can be sized
