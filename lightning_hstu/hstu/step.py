@@ -28,9 +28,9 @@ def in_bags(features: KeyedJaggedTensor, bag: int) -> KeyedJaggedTensor:
     longest key needs for at most ``bag`` ids per bag. The lookup gives every id its own row in the order
     of the values whatever the bags, and the model reads only the values; but fbgemm's sequence lookup and
     TorchRec's row-wise bucketize walk each bag's ids one after another in one warp, so a batch's longest
-    history set their time: with a 4096-event history the lookup took 2 ms and the bucketize 1.5 ms of an
-    otherwise idle H200 (0.1 ms each in bags of 32). Uses the per-key counts the KJT knows (no host sync);
-    one that does not know them is returned as it is."""
+    history set their time: with histories of up to 4096 events they took 2.0 and 1.5 ms per step of an
+    H200, and in bags of 32 the step's kernels took 4.2 ms less (BENCHMARKS.md). Uses the per-key counts
+    the KJT knows (no host sync); one that does not know them is returned as it is."""
     per_key = features.length_per_key_or_none()
     if per_key is None:
         return features
