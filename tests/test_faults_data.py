@@ -18,6 +18,7 @@ import torch
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_runs import QUIET
 from ranks import run_on_ranks
 from small_hstu import SMALL_MODEL, small_data
 
@@ -37,11 +38,7 @@ def fit_hstu(model_kwargs=None, data=None):
         accelerator="cpu",
         devices=1,
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
     )
     trainer.fit(HSTURecommender(**{**SMALL_MODEL, **(model_kwargs or {})}), data or small_data())

@@ -13,6 +13,7 @@ import torch
 from delayed_hstu import DelayedTasks
 from lightning.pytorch.callbacks import Callback
 
+from lightning_runs import QUIET
 from small_hstu import GPU_MODEL, gpu_data
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
@@ -58,11 +59,7 @@ def train(
         accelerator="cuda",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
         callbacks=list(callbacks),
     )
@@ -121,11 +118,7 @@ def test_a_lookup_outside_the_engine_while_batches_are_prefetched_is_refused():
             max_steps=STEPS,
             val_check_interval=3,
             limit_val_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
+            **QUIET,
         )
         trainer.fit(model, gpu_data())
 

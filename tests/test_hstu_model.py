@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from conftest import engine_threads
+from lightning_runs import QUIET
 from ranks import launch_env, run_on_ranks
 from small_hstu import SMALL_MODEL, small_data
 
@@ -49,11 +50,7 @@ def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, m
                 accelerator="cpu",
                 devices=1,
                 max_epochs=epochs,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
+                **QUIET,
                 callbacks=[recorder, *callbacks],
             ),
             **trainer_kwargs,

@@ -9,6 +9,8 @@ trained and its global step to OUT_DIR/<STRATEGY>.rank<R>.pt.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -17,6 +19,9 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_hstu  # noqa: F401  (registers the hstu_* strategies)
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from lightning_runs import QUIET  # noqa: E402
 
 
 class UnevenBatches(IterableDataset):
@@ -37,11 +42,7 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
         accelerator=accelerator,
         devices=2,
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
     )
     if data == "uneven":

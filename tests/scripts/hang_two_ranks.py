@@ -32,6 +32,7 @@ from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from lightning_runs import QUIET  # noqa: E402
 
 HANG_AT = 6
 HUNG_RANK = 1
@@ -120,11 +121,7 @@ def main(scenario: str, out_dir: str, step_timeout: float, accelerator: str = "c
         accelerator=accelerator,
         devices=2,
         max_steps=40,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
         use_distributed_sampler=scenario == "task",
     )

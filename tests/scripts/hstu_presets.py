@@ -31,6 +31,7 @@ from lightning_hstu.models.hstu import HSTURecommender
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from delayed_hstu import LateOutputs  # noqa: E402
 
+from lightning_runs import QUIET  # noqa: E402
 from small_hstu import model_and_data  # noqa: E402
 
 OPTIONS = ("delays", "graphs", "nowaits")
@@ -76,11 +77,7 @@ def train(run: str, steps: int, accelerator: str, out_dir: str) -> None:
         accelerator=accelerator,
         devices=2,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
         callbacks=callbacks,
     )

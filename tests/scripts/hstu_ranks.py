@@ -23,6 +23,7 @@ from lightning_hstu.callbacks import CollectiveInventoryCallback
 from lightning_hstu.models.hstu import HSTURecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from lightning_runs import QUIET  # noqa: E402
 from small_hstu import model_and_data  # noqa: E402
 
 
@@ -74,11 +75,7 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=2,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
         callbacks=[check],
     )

@@ -9,6 +9,7 @@ Each rank saves, per combination (rank 0's flag, rank 1's flag), whether the che
 """
 
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -18,6 +19,9 @@ from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from lightning_runs import QUIET  # noqa: E402
+
 
 def main(out_dir: str) -> None:
     pl.seed_everything(0, verbose=False)
@@ -26,11 +30,7 @@ def main(out_dir: str) -> None:
         accelerator="cpu",
         devices=2,
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         limit_val_batches=0,
     )
     trainer.fit(ToyRecommender(), ToyDataModule(num_samples=128))
