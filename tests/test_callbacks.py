@@ -153,3 +153,29 @@ def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_driver
     (got,) = inventory_from(trace)
     assert (got.task, got.batch, got.thread, got.operation) == ("wait_input_dist", 4, "data_dist", "alltoall")
     assert (got.payload_bytes, got.process_group, got.stream) == (96 * 8, "0 (default_pg)", 13)
+
+
+def test_the_inventory_pairs_a_gloo_launch_with_its_workers_event_not_with_an_nccl_launchs():
+    """A gloo collective runs on its group's worker thread after its launch returns. NCCL launches on other
+    threads in between carry their size themselves (``record_param_comms``, or a backend event inside the
+    launch) and take none of the worker's events: each launch gets its own size."""
+    from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
+
+    def event(name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    trace = [
+        event("c10d::allreduce_", 1, 20, 2),  # between steps (not an engine task's), on gloo
+        event("gloo:all_reduce", 9, 30, 2, **{"Input Dims": [[3]], "Input type": ["long int"]}),
+        event(f"{RANGE_PREFIX}global_tokens_allreduce@6|data_dist", 2, 90, 60),
+        event("c10d::allreduce_", 2, 92, 4),  # on NCCL, before the gloo launch: its size in its comms record
+        event("record_param_comms", 2, 93, 2, **{"In msg nelems": 1, "dtype": "Long"}),
+        event(f"{RANGE_PREFIX}forward@5|compute", 1, 100, 50),
+        event("c10d::allreduce_", 1, 101, 2),  # the forward's, on gloo
+        event(f"{RANGE_PREFIX}finalize_model_grads@4|compute_2", 3, 100, 50),
+        event("c10d::allreduce_", 3, 102, 4),  # on NCCL: its backend event inside the launch
+        event("nccl:all_reduce", 3, 103, 2, **{"Input Dims": [[10]], "Input type": ["float"]}),
+        event("gloo:all_reduce", 9, 110, 2, **{"Input Dims": [[2]], "Input type": ["float"]}),
+    ]
+    got = [(c.task, c.batch, c.payload_bytes) for c in inventory_from(trace)]
+    assert got == [("global_tokens_allreduce", 6, 8), ("forward", 5, 2 * 4), ("finalize_model_grads", 4, 40)]

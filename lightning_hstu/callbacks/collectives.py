@@ -158,10 +158,7 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
     ranges = [e for e in slices if e["name"].startswith(RANGE_PREFIX)]
     launches = sorted((e for e in slices if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
     comms = [e for e in slices if e["name"] == "record_param_comms"]
-    backend = {}  # gloo runs a collective on the group's own worker thread: paired by operation, in order
-    for e in sorted(slices, key=lambda e: e["ts"]):
-        if e["name"].startswith(("gloo:", "nccl:")):
-            backend.setdefault(_operation(e["name"]), []).append(e)
+    payloads = _payloads(slices, launches, comms)
     # the launch of a collective's kernel: the runtime API, or the driver's (NCCL launches with cuLaunchKernelEx)
     runtime = [
         e for e in slices if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
@@ -194,23 +191,49 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
                 continue  # not launched by an engine task (Lightning's own collectives between steps)
             task_batch, thread = owner["name"][len(RANGE_PREFIX) :].split("|")[0], AUTOGRAD_THREAD
         task, batch = task_batch.split("@")
-        inside = lambda events: [e for e in events if e["tid"] == launch["tid"] and _within(e, launch)]  # noqa: E731
-        params = next((e["args"] for e in inside(comms)), {})
-        group = _group(params)
+        group = _group(next((e["args"] for e in comms if _inside(e, launch)), {}))
         streams = [
             kernels[e["args"]["correlation"]]["args"].get("stream")
-            for e in inside(runtime)
-            if e["args"]["correlation"] in kernels
+            for e in runtime
+            if _inside(e, launch) and e["args"]["correlation"] in kernels
         ]
         operation = _operation(launch["name"])
-        done = backend.get(operation, [])
-        payload = _bytes(done.pop(0)["args"]) if done else None
-        if payload is None:  # no backend event to pair with (NCCL's record_param_comms carries the size)
-            payload = _comms_bytes(params)
         inventory.append(
-            Collective(task, int(batch), thread, operation, payload, group, streams[0] if streams else None)
+            Collective(
+                task, int(batch), thread, operation, payloads[id(launch)], group, streams[0] if streams else None
+            )
         )
     return inventory
+
+
+def _payloads(slices: list[dict], launches: list[dict], comms: list[dict]) -> dict[int, int | None]:
+    """Each launch's payload bytes, by ``id`` of the launch: from the ``record_param_comms`` inside it (NCCL)
+    or from its backend event (``gloo:<op>``, ``nccl:<op>``). A backend event inside a launch on its thread is
+    that launch's; the others ran on a process group's worker thread (gloo), which runs collectives in the
+    order they were launched: each launch with no size of its own, engine task's or not, takes the first of
+    them left of its operation that started after it did."""
+    events = sorted((e for e in slices if e["name"].startswith(("gloo:", "nccl:"))), key=lambda e: e["ts"])
+    own, queued = {}, {}
+    for e in events:
+        host = next((launch for launch in launches if _inside(e, launch)), None)
+        if host is not None:
+            own.setdefault(id(host), e)
+        else:
+            queued.setdefault(_operation(e["name"]), []).append(e)
+    payloads = {}
+    for launch in launches:
+        size = _comms_bytes(next((e["args"] for e in comms if _inside(e, launch)), {}))
+        event = own.get(id(launch))
+        if size is None and event is None:
+            waiting = queued.get(_operation(launch["name"]), [])
+            at = next((i for i, e in enumerate(waiting) if e["ts"] >= launch["ts"]), None)
+            event = waiting.pop(at) if at is not None else None
+        payloads[id(launch)] = size if size is not None or event is None else _bytes(event["args"])
+    return payloads
+
+
+def _inside(event: dict, launch: dict) -> bool:
+    return event["tid"] == launch["tid"] and _within(event, launch)
 
 
 def _within(inner: dict, outer: dict) -> bool:
