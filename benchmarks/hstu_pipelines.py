@@ -119,7 +119,12 @@ def build_model(sizes, device, num_items, world=1, attention="auto", balance=Tru
     )
     model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
     model.dense_grads = MegatronDenseGrads(model.objectives)
-    model.shuffler = BalancedShuffler(32, group=shuffle_group(balance and own_group), enabled=balance and world > 1)
+    model.shuffler = BalancedShuffler(
+        32,
+        group=shuffle_group(balance and own_group),
+        enabled=balance and world > 1,
+        sizes_group=shuffle_group(balance and own_group, backend="gloo"),
+    )
     return model
 
 

@@ -179,3 +179,25 @@ def test_the_inventory_pairs_a_gloo_launch_with_its_workers_event_not_with_an_nc
     ]
     got = [(c.task, c.batch, c.payload_bytes) for c in inventory_from(trace)]
     assert got == [("global_tokens_allreduce", 6, 8), ("forward", 5, 2 * 4), ("finalize_model_grads", 4, 40)]
+
+
+def test_the_inventory_pairs_gloo_launches_with_their_events_when_two_workers_start_them_out_of_order():
+    """gloo runs a group's collectives on several worker threads: the second launch's event may start first.
+    The event's tensor shape names its launch."""
+    from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
+
+    def event(name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    launch_types = ["long int", "long int", "", "ScalarList"]
+    trace = [
+        event(f"{RANGE_PREFIX}wait_input_dist@12|compute", 1, 100, 100),
+        event("c10d::alltoall_base_", 1, 110, 5, **{"Input Dims": [[64], [64], [], []], "Input type": launch_types}),
+        event(
+            "c10d::alltoall_base_", 1, 120, 5, **{"Input Dims": [[5720], [5501], [], []], "Input type": launch_types}
+        ),
+        event("gloo:all_to_all", 8, 126, 20, **{"Input Dims": [[5501]], "Input type": ["long int"]}),
+        event("gloo:all_to_all", 9, 130, 30, **{"Input Dims": [[64]], "Input type": ["long int"]}),
+    ]
+    got = [c.payload_bytes for c in inventory_from(trace)]
+    assert got == [64 * 8, 5501 * 8]

@@ -237,8 +237,8 @@ def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
         launched.setdefault(c["task"], []).append(c["operation"])
         assert c["payload_bytes"] and c["thread"] == plan.task(c["task"]).thread
     assert launched == {
-        "start_shuffle": ["allgather"],  # per-sample workloads
-        "finish_shuffle": ["allgather", "allgather"],  # KJT lengths, then values
+        "start_shuffle": ["allgather"],  # every rank's feature lengths (from host memory)
+        "finish_shuffle": ["allgather"],  # every rank's values
         "start_input_dist": ["alltoall"],  # TorchRec's splits
         "wait_input_dist": ["alltoall", "alltoall"],  # KJT lengths, then ids
         "global_tokens_allreduce": ["allreduce"],

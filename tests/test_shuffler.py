@@ -3,6 +3,7 @@ equal batch sizes, and a lower max/mean cost on zipf data. And the jagged select
 
 import random
 
+import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -44,10 +45,27 @@ def test_select_and_concat_keep_each_history_whole():
     assert histories(picked) == {u: histories(both)[u] for u in (7, 0, 3)}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_samples_are_picked_without_waiting_for_it():
+    """A batch that came from the host is cut on the GPU from a plan made on the host: no device sync."""
+    batch = make_batch(range(12), seed=3)
+    on_gpu = batch.to(torch.device("cuda"))
+    samples = torch.tensor([11, 0, 5, 5])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        picked = on_gpu.select(samples)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert histories(picked.to(torch.device("cpu"))) == histories(batch.select(samples))
+    assert picked.features.lengths().tolist() == batch.select(samples).features.lengths().tolist()
+
+
 def _shuffle_once(rank, world):
     batch = make_batch(range(rank * 16, (rank + 1) * 16), seed=rank)
     shuffler = BalancedShuffler(local_batch_size=16)
     shuffled = shuffler.finish(shuffler.start(batch))
+    assert torch.equal(shuffled.host_lengths, shuffled.features.lengths())  # what the next shuffle plans from
     return {
         "size": shuffled.size,
         "histories": histories(shuffled),

@@ -221,8 +221,8 @@ INVENTORY_STEPS = 12
 runs only the tasks whose batch is still in the epoch: together these steps run every task)."""
 
 COLLECTIVES = {
-    "start_shuffle": {"allgather"},  # the samples' costs
-    "finish_shuffle": {"allgather"},  # the batch itself: lengths, then values
+    "start_shuffle": {"allgather"},  # every rank's feature lengths (the shuffler's gloo group, host memory)
+    "finish_shuffle": {"allgather"},  # every rank's values
     "start_input_dist": {"alltoall"},  # TorchRec's splits
     "wait_input_dist": {"alltoall"},  # the ids
     "global_tokens_allreduce": {"allreduce"},
@@ -262,7 +262,8 @@ def test_the_ranks_launch_the_same_collectives_and_the_inventory_records_each(in
 @gpu_only
 def test_every_nccl_collective_is_recorded_with_its_process_group_and_stream(inventory_run):
     for rank in inventory_run:
-        on_nccl = [c for c in recorded(rank) if c["task"] != "forward"]  # forward's runs on gloo, in host memory
+        # forward's and start_shuffle's run on gloo groups, in host memory
+        on_nccl = [c for c in recorded(rank) if c["task"] not in ("forward", "start_shuffle")]
         assert on_nccl and all(c["process_group"] and c["stream"] is not None for c in on_nccl), on_nccl
         # megatron-core reduces on a data-parallel group of its own, the tasks' collectives use the default one
         groups = {c["task"]: c["process_group"] for c in on_nccl}

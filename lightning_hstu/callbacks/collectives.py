@@ -209,9 +209,10 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
 def _payloads(slices: list[dict], launches: list[dict], comms: list[dict]) -> dict[int, int | None]:
     """Each launch's payload bytes, by ``id`` of the launch: from the ``record_param_comms`` inside it (NCCL)
     or from its backend event (``gloo:<op>``, ``nccl:<op>``). A backend event inside a launch on its thread is
-    that launch's; the others ran on a process group's worker thread (gloo), which runs collectives in the
-    order they were launched: each launch with no size of its own, engine task's or not, takes the first of
-    them left of its operation that started after it did."""
+    that launch's; the others ran later on one of a process group's worker threads (gloo), several of which
+    may run a group's collectives at once, so not always in launch order: each launch with no size of its
+    own, engine task's or not, takes the first event left of its operation that started after it did and
+    whose tensor has the shape of one of the launch's tensors."""
     events = sorted((e for e in slices if e["name"].startswith(("gloo:", "nccl:"))), key=lambda e: e["ts"])
     own, queued = {}, {}
     for e in events:
@@ -226,10 +227,32 @@ def _payloads(slices: list[dict], launches: list[dict], comms: list[dict]) -> di
         event = own.get(id(launch))
         if size is None and event is None:
             waiting = queued.get(_operation(launch["name"]), [])
-            at = next((i for i, e in enumerate(waiting) if e["ts"] >= launch["ts"]), None)
+            shapes = _shapes(launch.get("args", {}).get("Input Dims"))
+            at = next(
+                (
+                    i
+                    for i, e in enumerate(waiting)
+                    if e["ts"] >= launch["ts"] and (not shapes or _first_shape(e) in shapes)
+                ),
+                None,
+            )
             event = waiting.pop(at) if at is not None else None
         payloads[id(launch)] = size if size is not None or event is None else _bytes(event["args"])
     return payloads
+
+
+def _shapes(dims) -> list[list[int]]:
+    """The tensor shapes among a launch's recorded argument dimensions (tensor lists opened)."""
+    if not isinstance(dims, list):
+        return []
+    if all(isinstance(d, int) for d in dims):
+        return [dims]
+    return [shape for d in dims for shape in _shapes(d)]
+
+
+def _first_shape(event: dict) -> list[int] | None:
+    dims = event.get("args", {}).get("Input Dims")
+    return dims[0] if dims and isinstance(dims[0], list) else None
 
 
 def _inside(event: dict, launch: dict) -> bool:

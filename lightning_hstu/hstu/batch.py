@@ -18,6 +18,9 @@ class HSTUBatch:
 
     features: KeyedJaggedTensor
     sequence_keys: tuple[str, ...] = ("item", "action")
+    host_lengths: torch.Tensor | None = None
+    """The features' lengths in host memory, where the batch came from there (``to`` keeps them), so that
+    the shuffler plans on the host without waiting for the GPU."""
 
     @property
     def size(self) -> int:
@@ -26,10 +29,19 @@ class HSTUBatch:
     def sequence_lengths(self) -> torch.Tensor:
         return self.features[self.sequence_keys[0]].lengths()
 
+    def lengths_on_host(self) -> torch.Tensor:
+        """The features' lengths (every key's, key after key) in host memory: a copy from the GPU (which
+        waits for it) only where the batch was never on the host."""
+        if self.host_lengths is not None:
+            return self.host_lengths
+        return self.features.lengths().cpu()
+
     def to(self, device: torch.device, non_blocking: bool = True) -> "HSTUBatch":
         # Non-blocking by default: Lightning's transfer passes no flag for non-tensor batches, and the h2d
         # task runs on its own stream, whose copy the engine's events order before every consumer.
-        return replace(self, features=self.features.to(device=device, non_blocking=non_blocking))
+        lengths = self.features.lengths()
+        host = lengths if lengths.device.type == "cpu" else self.host_lengths
+        return replace(self, features=self.features.to(device=device, non_blocking=non_blocking), host_lengths=host)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.features.record_stream(stream)
@@ -39,36 +51,50 @@ class HSTUBatch:
 
     def select(self, samples: torch.Tensor) -> "HSTUBatch":
         """The batch of the given samples, in that order."""
+        lengths = self.lengths_on_host().view(1, len(self.features.keys()), self.size)
+        samples = samples.cpu()
+        return self.take(
+            self.features.values(), lengths, self.features.values().numel(), torch.zeros_like(samples), samples
+        )
+
+    def take(
+        self, values: torch.Tensor, lengths: torch.Tensor, width: int, pieces: torch.Tensor, samples: torch.Tensor
+    ) -> "HSTUBatch":
+        """A batch of this one's keys made of samples of several batches whose values lie one after another
+        in ``values``, ``width`` apart: ``lengths`` [batches, keys, samples] (host memory) are their
+        lengths; the new batch holds, in order, sample ``samples[j]`` of batch ``pieces[j]``. Planned on the
+        host from the lengths, then one gather on the values' device: no wait for the device."""
         keys = self.features.keys()
-        lengths = self.features.lengths().view(len(keys), -1)
-        per_key = self.features.values().split(self.features.length_per_key())
-        picked = [_gather_jagged(values, lengths[k], samples) for k, values in enumerate(per_key)]
-        return self._with(keys, [v for v, _ in picked], [n for _, n in picked])
+        flat = lengths.flatten(1)
+        starts = (flat.cumsum(1) - flat).view(lengths.shape) + (torch.arange(len(lengths)) * width)[:, None, None]
+        picked = lengths[pieces, :, samples].T.reshape(-1)  # key after key, as a KJT lays them out
+        # each picked history's start in ``values`` minus its start in the new values
+        shift = starts[pieces, :, samples].T.reshape(-1) - (picked.cumsum(0) - picked)
+        total = int(picked.sum())
+        plan = torch.stack([shift, picked])
+        if values.is_cuda:
+            plan = plan.pin_memory()
+        shift_on, picked_on = plan.to(values.device, non_blocking=True)
+        position = torch.repeat_interleave(shift_on, picked_on, output_size=total)
+        position += torch.arange(total, device=values.device)
+        features = KeyedJaggedTensor(
+            keys=keys,
+            values=values[position],
+            lengths=picked_on.to(self.features.lengths().dtype),
+            stride=len(samples),
+            length_per_key=picked.view(len(keys), -1).sum(1).tolist(),
+        )
+        return replace(self, features=features, host_lengths=picked)
 
     @staticmethod
     def concat(batches: Sequence["HSTUBatch"]) -> "HSTUBatch":
         """One batch with the samples of ``batches`` one after the other (same keys in each)."""
         first = batches[0]
         keys = first.features.keys()
-        values, lengths = [], []
-        for k, key in enumerate(keys):
-            values.append(torch.cat([b.features[key].values() for b in batches]))
-            lengths.append(torch.cat([b.features[key].lengths() for b in batches]))
-        return first._with(keys, values, lengths)
-
-    def _with(self, keys: list[str], values: list[torch.Tensor], lengths: list[torch.Tensor]) -> "HSTUBatch":
+        values = [torch.cat([b.features[key].values() for b in batches]) for key in keys]
+        lengths = [torch.cat([b.features[key].lengths() for b in batches]) for key in keys]
         features = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
-        return replace(self, features=features)
-
-
-def _gather_jagged(values: torch.Tensor, lengths: torch.Tensor, samples: torch.Tensor):
-    """The segments of ``samples`` from a jagged (values, lengths) pair, concatenated, and their lengths."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    picked_lengths = lengths[samples]
-    segment = torch.repeat_interleave(torch.arange(len(samples), device=values.device), picked_lengths)
-    first_of_segment = torch.cumsum(picked_lengths, 0) - picked_lengths
-    position = starts[samples][segment] + torch.arange(len(segment), device=values.device) - first_of_segment[segment]
-    return values[position], picked_lengths
+        return replace(first, features=features, host_lengths=None)
 
 
 class IdError(ValueError):

@@ -196,6 +196,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             self.trainer.datamodule.batch_size,
             group=shuffle_group(hp.balance_batches, timeout),
             enabled=hp.balance_batches,
+            sizes_group=shuffle_group(hp.balance_batches, timeout, backend="gloo"),
         )
 
     def configure_optimizers(self):
