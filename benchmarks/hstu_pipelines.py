@@ -238,6 +238,16 @@ class _StepRecords(pl.Callback):
             self.steps += 1
 
 
+class EagerOptimizerStep(HSTURecommender):
+    """Graph capture without the optimizer step's graph (its GraphedAdamW steps eagerly): what capturing
+    the step saves."""
+
+    def hstu_graphs(self):
+        graphs = super().hstu_graphs()
+        graphs.pop("optimizer_step", None)
+        return graphs
+
+
 def measure_trainer(
     mode,
     strategy,
@@ -251,11 +261,12 @@ def measure_trainer(
     attention,
     balance=True,
     nonfinite="raise",
+    model_class=HSTURecommender,
 ):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
     ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop)."""
     torch.manual_seed(0)
-    model = HSTURecommender(
+    model = model_class(
         **model_sizes(sizes, attention),
         sparse_optimizer="sgd",
         lr=1e-4,
@@ -401,7 +412,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     def measure_(name, run, passes=0, plan=None):
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
 
-    def user_path(name, nonfinite="raise", **strategy_args):
+    def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
         return measure_trainer(
             name,
             HSTUPipelineStrategy(**strategy_args),
@@ -415,6 +426,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             attention,
             balance,
             nonfinite,
+            model_class,
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
@@ -447,6 +459,15 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
         if device.type == "cuda" and best:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
+            results.append(
+                user_path(
+                    f"{best} + graphs, optimizer eager",
+                    model_class=EagerOptimizerStep,
+                    preset=best,
+                    capture_graphs=True,
+                    step_timeout=600,
+                )
+            )
         if best:  # the loss checked after the step is queued, not before backward (on_nonfinite_loss="stop")
             results.append(user_path(f"{best}, stop", "stop", preset=best, step_timeout=600))
             if device.type == "cuda":

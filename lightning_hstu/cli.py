@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     presets.add_argument(
         "--capture-graphs",
         action="store_true",
-        help="mark forward and backward capturable, as HSTUPipelineStrategy(capture_graphs=True)",
+        help="mark forward, backward and optimizer_step capturable, as HSTUPipelineStrategy(capture_graphs=True)",
     )
     presets.set_defaults(run=_presets)
 

@@ -32,7 +32,8 @@ def test_presets_marks_the_capturable_tasks(capsys):
     code, out, _ = run_cli(capsys, "presets", "-v", "--capture-graphs", "per_task_d3")
     assert code == 0
     assert "forward: forward@0[graph]" in out and "backward: backward@0[graph]" in out
-    assert out.count("[graph]") == 2
+    assert "optimizer_step: optimizer_step@0[graph]" in out
+    assert out.count("[graph]") == 3
     assert "[graph]" not in run_cli(capsys, "presets", "-v", "per_task_d3")[1]
 
 

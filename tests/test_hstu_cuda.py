@@ -137,13 +137,15 @@ class GraphUse(Callback):
         graphed = pl_module.hstu_graphs()["forward"]
         self.replays, self.eager_calls, self.graphs = graphed.replays, graphed.eager_calls, len(graphed.graphs)
         self.capacities = getattr(graphed, "capacities", None)
+        optimizer = trainer.optimizers[0]
+        self.optimizer_steps = (optimizer.eager_steps, optimizer.replays)  # a GraphedAdamW
 
 
 @pytest.fixture(scope="module")
 def padded_eager():
     use = GraphUse()
     weights = train("default_d6", NeverCaptured, callbacks=[use], capture_graphs=True, attention="padded")
-    assert (use.replays, use.graphs) == (0, 0)
+    assert (use.replays, use.graphs, use.optimizer_steps) == (0, 0, (STEPS, 0))
     return weights
 
 
@@ -151,10 +153,12 @@ def padded_eager():
 def test_the_graph_captured_dense_part_trains_like_its_eager_self(preset, padded_eager):
     """Padded attention: one shape, captured after 3 eager steps (between two steps, by the engine),
     replayed for the other 5: the dense forward and backward from the graphs, the embeddings eager and fed
-    the graph's input gradient."""
+    the graph's input gradient; the AdamW step captured after its 3 eager steps too, against a run whose
+    every step is eager."""
     use = GraphUse()
     assert_close_weights(train(preset, callbacks=[use], capture_graphs=True, attention="padded"), padded_eager)
     assert (use.eager_calls, use.replays, use.graphs) == (3, STEPS - 3, 1)
+    assert use.optimizer_steps == (3, STEPS - 3)
 
 
 def test_random_host_delays_change_nothing_with_graphs(padded_eager):

@@ -10,6 +10,9 @@ A capture needs every input shape to be fixed and nothing else on the GPU to mis
 so it is done by the engine between two steps (no task running; see ``Engine(graphs=...)``), for each
 input signature seen ``warmup`` times, up to ``max_graphs`` signatures; any other signature runs eagerly,
 said once in the log.
+
+``GraphedAdamW`` does the same for the optimizer step (the optimizer_step task): AdamW with its state and
+learning rate on the device, its step captured once the gradients it reads stay the same tensors.
 """
 
 import contextlib
@@ -83,6 +86,86 @@ class GraphedMethod:
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
+
+
+class GraphedAdamW(torch.optim.AdamW):
+    """AdamW whose step the engine captures in a CUDA graph between two steps and then replays: one graph
+    launch per step in place of the foreach kernels' launches and their host work.
+
+    A replay reads the gradients where the capture found them, so it needs the same gradient tensors every
+    step (megatron-core's buffer views, as ``MegatronDenseGrads.finalize`` leaves them), the state on the
+    device (``capturable=True``, set here for CUDA parameters) and the learning rate as a device tensor (an
+    LR scheduler fills it in place; a number written over it is copied into it before the replay). A step
+    whose gradients are not the captured ones (a parameter without one: the step skipped after a non-finite
+    loss) runs eagerly; so does every step until ``warmup`` eager steps have seen the same gradients. Other
+    hyperparameters are read at capture time. On the CPU it is AdamW."""
+
+    def __init__(self, params, lr: float = 1e-3, *, warmup: int = 3, **kwargs):
+        params = list(params)
+        tensors = [p for group in params for p in group["params"]] if isinstance(params[0], dict) else params
+        self.cuda = bool(tensors) and all(p.is_cuda for p in tensors)
+        if self.cuda:
+            kwargs["capturable"] = True
+        super().__init__(params, lr=lr, **kwargs)
+        # each group's learning rate, on the device, for good: the tensors a graph reads
+        self._lrs = [torch.tensor(float(g["lr"]), device=tensors[0].device) for g in self.param_groups if self.cuda]
+        self._keep_lrs()
+        self.warmup = warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._captured: tuple | None = None  # the gradients' addresses the graph reads
+        self._seen: tuple | None = None
+        self._same_seen = 0
+        self.replays = self.eager_steps = 0
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._gradients()
+        self._keep_lrs()
+        if self.graph is not None and grads == self._captured:
+            self.graph.replay()
+            self.replays += 1
+            return loss
+        super().step()
+        self.eager_steps += 1
+        if self.cuda and self.graph is None and None not in grads:
+            self._same_seen = self._same_seen + 1 if grads == self._seen else 1
+            self._seen = grads
+        return loss
+
+    def pending(self) -> list[str]:
+        """The step, once ``warmup`` eager steps in a row read the same gradients (captured once)."""
+        return ["step"] if self.graph is None and self._same_seen >= self.warmup else []
+
+    def capture(self) -> list[str]:
+        """Capture the step; the caller guarantees that no other thread uses the GPU meanwhile (the engine
+        calls it between steps). Recording runs nothing: the next step is the first replay."""
+        if not self.pending():
+            return []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            super().step()
+        self.graph, self._captured = graph, self._seen
+        described = f"AdamW step over {len(self._captured)} parameters"
+        log.info("%s: captured a CUDA graph", described)
+        return [described]
+
+    def _keep_lrs(self) -> None:
+        """Puts a learning rate written over a group's device tensor (a number, a loaded checkpoint's tensor)
+        into that tensor, and the tensor back into the group."""
+        for group, lr in zip(self.param_groups, self._lrs):
+            if group["lr"] is not lr:
+                lr.fill_(float(group["lr"]))
+                group["lr"] = lr
+
+    def _gradients(self) -> tuple:
+        return tuple(
+            None if p.grad is None else (p.grad.data_ptr(), p.grad.shape)
+            for group in self.param_groups
+            for p in group["params"]
+        )
 
 
 class _Call(nn.Module):

@@ -56,6 +56,7 @@ def hstu_tasks(prefetch: bool = True) -> tuple[TaskDef, ...]:
 HSTU_TASK_NAMES: tuple[str, ...] = tuple(t.name for t in hstu_tasks())
 """The task names in plan order; every other list of HSTU tasks is derived from this one."""
 
-GRAPH_TASKS: tuple[str, ...] = ("forward", "backward")
-"""The HSTU tasks a plan marks capturable for graph capture: the dense forward replays its graph, and the
-backward replays the matching backward graph through autograd."""
+GRAPH_TASKS: tuple[str, ...] = ("forward", "backward", "optimizer_step")
+"""The HSTU tasks a plan marks capturable for graph capture: the dense forward replays its graph, the
+backward replays the matching backward graph through autograd, and the optimizer step replays its own
+(``GraphedAdamW``)."""

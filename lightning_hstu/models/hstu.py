@@ -27,7 +27,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
-from ..hstu.graphs import GraphedMethod
+from ..hstu.graphs import GraphedAdamW, GraphedMethod
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import ShardedEmbeddings
 from ..hstu.step import dense_losses, global_token_scale, global_tokens, sparse_features
@@ -200,9 +200,11 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         )
 
     def configure_optimizers(self):
-        # the sparse tables have their own (fused) optimizer
+        # the sparse tables have their own (fused) optimizer; the dense one is captured with the graphs
         hp = self.hparams
-        return torch.optim.AdamW(
+        plan = getattr(self.trainer.strategy, "plan", None)
+        graphed = plan is not None and "optimizer_step" in plan.capturable and self.device.type == "cuda"
+        return (GraphedAdamW if graphed else torch.optim.AdamW)(
             self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
 
@@ -246,15 +248,20 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def hstu_watchdog(self, b: BatchView) -> None:
         self._watch(b.index)
 
-    def hstu_graphs(self) -> dict[str, GraphedMethod]:
+    def hstu_graphs(self) -> dict[str, "GraphedMethod | GraphedAdamW"]:
         """What the engine captures when the plan marks forward capturable: the dense losses on inputs of
         static shapes (``HSTUObjectives.dense_inputs(static=True)``): padded to the model's length, or
-        jagged with the token count rounded up to a capacity (one graph per capacity, up to 6)."""
+        jagged with the token count rounded up to a capacity (one graph per capacity, up to 6); and the
+        dense optimizer's step where it is a ``GraphedAdamW`` (``configure_optimizers`` on a GPU)."""
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
             fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
             self._graphed = GraphedMethod(self.objectives, "losses", max_graphs=6 if fused else 2)
-        return {"forward": self._graphed}
+        graphs = {"forward": self._graphed}
+        optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if isinstance(optimizer, GraphedAdamW):
+            graphs["optimizer_step"] = optimizer
+        return graphs
 
     def _check_length(self, what: str) -> None:
         data_length = getattr(self.trainer.datamodule, "max_seq_len", None) if self._trainer else None

@@ -60,9 +60,10 @@ class HSTUPipelineStrategy(DDPStrategy):
             caller's thread) or ``{task: thread}``.
         lookahead: replaces the preset's cascade: ``"d3"``, ``"d6"`` or ``{task: lookahead}``.
         prefetch: order each step's embedding prefetch before its backward.
-        capture_graphs: mark forward and backward capturable: on a GPU the engine captures the module's
-            graphs (``hstu_graphs()``: for HSTU the dense part on inputs of static shapes, padded to a
-            fixed length or jagged with a token capacity) after a few warm-up steps and replays them.
+        capture_graphs: mark forward, backward and optimizer_step capturable: on a GPU the engine captures
+            the module's graphs (``hstu_graphs()``: for HSTU the dense part on inputs of static shapes,
+            padded to a fixed length or jagged with a token capacity, and the dense AdamW's step) after a
+            few warm-up steps and replays them.
         engine: False trains with Lightning's own loop instead (everything else unchanged: the process
             groups, no torch DDP around a module that finalises its own gradients, sharded checkpoints):
             the unpipelined baseline of the same module, for comparisons.
