@@ -239,13 +239,14 @@ class _StepRecords(pl.Callback):
 
 
 class EagerOptimizerStep(HSTURecommender):
-    """Graph capture without the optimizer step's graph (its GraphedAdamW steps eagerly): what capturing
-    the step saves."""
+    """Graph capture of the dense part with torch's AdamW stepping eagerly (as before GraphedAdamW): what
+    capturing the step saves."""
 
-    def hstu_graphs(self):
-        graphs = super().hstu_graphs()
-        graphs.pop("optimizer_step", None)
-        return graphs
+    def configure_optimizers(self):
+        hp = self.hparams
+        return torch.optim.AdamW(
+            self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+        )
 
 
 def measure_trainer(
