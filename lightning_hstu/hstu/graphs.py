@@ -102,7 +102,7 @@ class GraphedAdamW(torch.optim.AdamW):
 
     def __init__(self, params, lr: float = 1e-3, *, warmup: int = 3, **kwargs):
         params = list(params)
-        tensors = [p for group in params for p in group["params"]] if isinstance(params[0], dict) else params
+        tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
         self.cuda = bool(tensors) and all(p.is_cuda for p in tensors)
         if self.cuda:
             kwargs["capturable"] = True
