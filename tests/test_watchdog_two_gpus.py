@@ -101,11 +101,12 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 def test_a_rank_stopped_on_nccl_is_reported_naming_the_collective_and_the_job_ends(tmp_path):
     output, to_report, to_end, returncode = fit_and_stop_rank_1(tmp_path / "out", "gpu", STEP_TIMEOUT)
     tail = output[-8000:]
+    print(f"rank 1 stopped: rank 0 reported after {to_report} s and ended after {to_end:.1f} s")  # pytest -s
     assert to_report is not None, f"rank 0 reported nothing within {STEP_TIMEOUT + 60} s:\n{tail}"
     assert to_report <= STEP_TIMEOUT + 10, tail
     assert PENDING.search(output), tail  # the collective rank 0 waits in
     assert returncode is not None and returncode != 0, tail
-    assert to_end <= STEP_TIMEOUT + 20, tail
+    assert to_end <= STEP_TIMEOUT + 10, tail  # the job ends within step_timeout + 10 s, report included
 
 
 @two_gpus
