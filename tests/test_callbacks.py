@@ -106,16 +106,13 @@ def test_the_inventory_gives_autograds_backward_collectives_to_the_backward_task
     a launch outside any engine range on its own thread, inside the backward range in time."""
     from lightning_hstu.callbacks.collectives import AUTOGRAD_THREAD, RANGE_PREFIX, inventory_from
 
-    def event(name, tid, ts, dur, **args):
-        return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     trace = [
-        event(f"{RANGE_PREFIX}backward@7|compute", 1, 100, 50),
-        event(f"{RANGE_PREFIX}start_shuffle@9|io", 2, 90, 80),
-        event("c10d::alltoall_base_", 3, 120, 5),  # autograd's thread, during backward
-        event("nccl:all_to_all", 3, 121, 3, **{"Input Dims": [[64, 8]], "Input type": ["float"]}),
-        event("c10d::allgather_", 2, 95, 4),  # the io thread's own launch
-        event("c10d::allreduce_", 3, 300, 5),
+        trace_event(f"{RANGE_PREFIX}backward@7|compute", 1, 100, 50),
+        trace_event(f"{RANGE_PREFIX}start_shuffle@9|io", 2, 90, 80),
+        trace_event("c10d::alltoall_base_", 3, 120, 5),  # autograd's thread, during backward
+        trace_event("nccl:all_to_all", 3, 121, 3, **{"Input Dims": [[64, 8]], "Input type": ["float"]}),
+        trace_event("c10d::allgather_", 2, 95, 4),  # the io thread's own launch
+        trace_event("c10d::allreduce_", 3, 300, 5),
     ]  # after every range: not an engine task's
     got = [(c.task, c.batch, c.thread, c.operation, c.payload_bytes) for c in inventory_from(trace)]
     assert got == [
@@ -129,13 +126,10 @@ def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_driver
     process group, and the kernel is launched through the driver API (cuLaunchKernelEx)."""
     from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
 
-    def event(name, tid, ts, dur, cat="cpu_op", **args):
-        return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     trace = [
-        event(f"{RANGE_PREFIX}wait_input_dist@4|data_dist", 1, 100, 50),
-        event("c10d::alltoall_base_", 1, 110, 20),
-        event(
+        trace_event(f"{RANGE_PREFIX}wait_input_dist@4|data_dist", 1, 100, 50),
+        trace_event("c10d::alltoall_base_", 1, 110, 20),
+        trace_event(
             "record_param_comms",
             1,
             111,
@@ -147,8 +141,8 @@ def test_the_inventory_reads_an_nccl_launch_from_its_comms_record_and_the_driver
                 "Process Group Description": "default_pg",
             },
         ),
-        event("cuLaunchKernelEx", 1, 115, 2, cat="cuda_driver", correlation=42),
-        event("ncclDevKernel_SendRecv", 7, 116, 30, cat="kernel", correlation=42, stream=13),
+        trace_event("cuLaunchKernelEx", 1, 115, 2, cat="cuda_driver", correlation=42),
+        trace_event("ncclDevKernel_SendRecv", 7, 116, 30, cat="kernel", correlation=42, stream=13),
     ]
     (got,) = inventory_from(trace)
     assert (got.task, got.batch, got.thread, got.operation) == ("wait_input_dist", 4, "data_dist", "alltoall")
@@ -161,21 +155,18 @@ def test_the_inventory_pairs_a_gloo_launch_with_its_workers_event_not_with_an_nc
     launch) and take none of the worker's events: each launch gets its own size."""
     from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
 
-    def event(name, tid, ts, dur, **args):
-        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     trace = [
-        event("c10d::allreduce_", 1, 20, 2),  # between steps (not an engine task's), on gloo
-        event("gloo:all_reduce", 9, 30, 2, **{"Input Dims": [[3]], "Input type": ["long int"]}),
-        event(f"{RANGE_PREFIX}global_tokens_allreduce@6|data_dist", 2, 90, 60),
-        event("c10d::allreduce_", 2, 92, 4),  # on NCCL, before the gloo launch: its size in its comms record
-        event("record_param_comms", 2, 93, 2, **{"In msg nelems": 1, "dtype": "Long"}),
-        event(f"{RANGE_PREFIX}forward@5|compute", 1, 100, 50),
-        event("c10d::allreduce_", 1, 101, 2),  # the forward's, on gloo
-        event(f"{RANGE_PREFIX}finalize_model_grads@4|compute_2", 3, 100, 50),
-        event("c10d::allreduce_", 3, 102, 4),  # on NCCL: its backend event inside the launch
-        event("nccl:all_reduce", 3, 103, 2, **{"Input Dims": [[10]], "Input type": ["float"]}),
-        event("gloo:all_reduce", 9, 110, 2, **{"Input Dims": [[2]], "Input type": ["float"]}),
+        trace_event("c10d::allreduce_", 1, 20, 2),  # between steps (not an engine task's), on gloo
+        trace_event("gloo:all_reduce", 9, 30, 2, **{"Input Dims": [[3]], "Input type": ["long int"]}),
+        trace_event(f"{RANGE_PREFIX}global_tokens_allreduce@6|data_dist", 2, 90, 60),
+        trace_event("c10d::allreduce_", 2, 92, 4),  # on NCCL, before the gloo launch: its size in its comms record
+        trace_event("record_param_comms", 2, 93, 2, **{"In msg nelems": 1, "dtype": "Long"}),
+        trace_event(f"{RANGE_PREFIX}forward@5|compute", 1, 100, 50),
+        trace_event("c10d::allreduce_", 1, 101, 2),  # the forward's, on gloo
+        trace_event(f"{RANGE_PREFIX}finalize_model_grads@4|compute_2", 3, 100, 50),
+        trace_event("c10d::allreduce_", 3, 102, 4),  # on NCCL: its backend event inside the launch
+        trace_event("nccl:all_reduce", 3, 103, 2, **{"Input Dims": [[10]], "Input type": ["float"]}),
+        trace_event("gloo:all_reduce", 9, 110, 2, **{"Input Dims": [[2]], "Input type": ["float"]}),
     ]
     got = [(c.task, c.batch, c.payload_bytes) for c in inventory_from(trace)]
     assert got == [("global_tokens_allreduce", 6, 8), ("forward", 5, 2 * 4), ("finalize_model_grads", 4, 40)]
@@ -186,18 +177,22 @@ def test_the_inventory_pairs_gloo_launches_with_their_events_when_two_workers_st
     The event's tensor shape names its launch."""
     from lightning_hstu.callbacks.collectives import RANGE_PREFIX, inventory_from
 
-    def event(name, tid, ts, dur, **args):
-        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     launch_types = ["long int", "long int", "", "ScalarList"]
     trace = [
-        event(f"{RANGE_PREFIX}wait_input_dist@12|compute", 1, 100, 100),
-        event("c10d::alltoall_base_", 1, 110, 5, **{"Input Dims": [[64], [64], [], []], "Input type": launch_types}),
-        event(
+        trace_event(f"{RANGE_PREFIX}wait_input_dist@12|compute", 1, 100, 100),
+        trace_event(
+            "c10d::alltoall_base_", 1, 110, 5, **{"Input Dims": [[64], [64], [], []], "Input type": launch_types}
+        ),
+        trace_event(
             "c10d::alltoall_base_", 1, 120, 5, **{"Input Dims": [[5720], [5501], [], []], "Input type": launch_types}
         ),
-        event("gloo:all_to_all", 8, 126, 20, **{"Input Dims": [[5501]], "Input type": ["long int"]}),
-        event("gloo:all_to_all", 9, 130, 30, **{"Input Dims": [[64]], "Input type": ["long int"]}),
+        trace_event("gloo:all_to_all", 8, 126, 20, **{"Input Dims": [[5501]], "Input type": ["long int"]}),
+        trace_event("gloo:all_to_all", 9, 130, 30, **{"Input Dims": [[64]], "Input type": ["long int"]}),
     ]
     got = [c.payload_bytes for c in inventory_from(trace)]
     assert got == [64 * 8, 5501 * 8]
+
+
+def trace_event(name, tid, ts, dur, cat="cpu_op", **args):
+    """One complete ("X") event of a profiler's exported trace, as the inventory reads it."""
+    return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}

@@ -158,7 +158,9 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
     ranges = [e for e in slices if e["name"].startswith(RANGE_PREFIX)]
     launches = sorted((e for e in slices if e["name"].startswith("c10d::")), key=lambda e: e["ts"])
     comms = [e for e in slices if e["name"] == "record_param_comms"]
-    payloads = _payloads(slices, launches, comms)
+    # each launch's record_param_comms (NCCL records one inside it; gloo does not): size and process group
+    params = {id(launch): next((e["args"] for e in comms if _inside(e, launch)), {}) for launch in launches}
+    payloads = _payloads(slices, launches, params)
     # the launch of a collective's kernel: the runtime API, or the driver's (NCCL launches with cuLaunchKernelEx)
     runtime = [
         e for e in slices if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
@@ -191,7 +193,7 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
                 continue  # not launched by an engine task (Lightning's own collectives between steps)
             task_batch, thread = owner["name"][len(RANGE_PREFIX) :].split("|")[0], AUTOGRAD_THREAD
         task, batch = task_batch.split("@")
-        group = _group(next((e["args"] for e in comms if _inside(e, launch)), {}))
+        group = _group(params[id(launch)])
         streams = [
             kernels[e["args"]["correlation"]]["args"].get("stream")
             for e in runtime
@@ -206,8 +208,8 @@ def inventory_from(trace_events: list[dict]) -> list[Collective]:
     return inventory
 
 
-def _payloads(slices: list[dict], launches: list[dict], comms: list[dict]) -> dict[int, int | None]:
-    """Each launch's payload bytes, by ``id`` of the launch: from the ``record_param_comms`` inside it (NCCL)
+def _payloads(slices: list[dict], launches: list[dict], params: dict[int, dict]) -> dict[int, int | None]:
+    """Each launch's payload bytes, by ``id`` of the launch: from its ``record_param_comms`` (``params``, NCCL)
     or from its backend event (``gloo:<op>``, ``nccl:<op>``). A backend event inside a launch on its thread is
     that launch's; the others ran later on one of a process group's worker threads (gloo), several of which
     may run a group's collectives at once, so not always in launch order: each launch with no size of its
@@ -223,7 +225,7 @@ def _payloads(slices: list[dict], launches: list[dict], comms: list[dict]) -> di
             queued.setdefault(_operation(e["name"]), []).append(e)
     payloads = {}
     for launch in launches:
-        size = _comms_bytes(next((e["args"] for e in comms if _inside(e, launch)), {}))
+        size = _comms_bytes(params[id(launch)])
         event = own.get(id(launch))
         if size is None and event is None:
             waiting = queued.get(_operation(launch["name"]), [])
