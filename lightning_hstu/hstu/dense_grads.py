@@ -21,6 +21,9 @@ class MegatronDenseGrads:
 
     Per step: ``zero_grad()`` before backward, then ``finalize()`` after it; ``finalize`` leaves each
     parameter's ``.grad`` pointing at its all-reduced mean gradient, so any torch optimizer can step.
+    On one rank there is nothing to reduce: ``finalize`` only points the ``.grad`` at megatron's buffers
+    (whose fixed addresses the captured optimizer step needs), without ``finalize_model_grads``'s walk over
+    the parameters and its all-reduce of the bucket with itself.
     """
 
     def __init__(self, module: nn.Module, *, bucket_size: int | None = None, timeout: timedelta | None = None):
@@ -45,17 +48,20 @@ class MegatronDenseGrads:
         with _buffers_on(device):
             self.ddp = DistributedDataParallel(config, ddp_config, module)
         self.module = module
+        self._params = list(module.parameters())
+        self._ranks = parallel_state.get_data_parallel_world_size()
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
-        for p in self.module.parameters():
+        for p in self._params:
             p.grad = None
 
     def finalize(self) -> None:
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.ddp])
-        for p in self.module.parameters():
+        if self._ranks > 1:
+            finalize_model_grads([self.ddp])
+        for p in self._params:
             if p.requires_grad:
                 p.grad = p.main_grad  # a view into megatron's bucket: no copy
 

@@ -44,6 +44,7 @@ class GraphedMethod:
         self._samples: dict[Signature, tuple[torch.Tensor, ...]] = {}
         self._told: set[Signature] = set()
         self.replays = self.eager_calls = 0
+        self._parameters: tuple[nn.Parameter, ...] = ()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         signature = _signature(args)
@@ -51,7 +52,7 @@ class GraphedMethod:
         if graphed is not None:
             self.replays += 1
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
-            return tuple(out.clone() for out in graphed(*args, *self.module.parameters()))
+            return tuple(out.clone() for out in graphed(*args, *self._parameters))
         self.eager_calls += 1
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
@@ -76,6 +77,7 @@ class GraphedMethod:
         """Capture the pending signatures; the caller guarantees that no other thread uses the GPU
         meanwhile (the engine calls it between steps). Returns what it captured, described."""
         captured = []
+        self._parameters = tuple(self.module.parameters())  # what every replay passes (not walked per call)
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
             parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self.module.parameters())

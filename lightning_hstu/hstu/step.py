@@ -50,9 +50,11 @@ def in_bags(features: KeyedJaggedTensor, bag: int) -> KeyedJaggedTensor:
 
 
 def global_tokens(batch: HSTUBatch) -> torch.Tensor:
-    """The token count of every rank's batch together, all-reduced; stays a tensor (no host sync)."""
+    """The token count of every rank's batch together, all-reduced (on one rank: its own, no collective);
+    stays a tensor (no host sync)."""
     tokens = batch.sequence_lengths().sum().to(torch.float32)
-    dist.all_reduce(tokens)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tokens)
     return tokens
 
 

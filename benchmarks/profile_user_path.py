@@ -1,0 +1,88 @@
+"""Runs one mode of the user's path (``Trainer(strategy=HSTUPipelineStrategy(preset, capture_graphs=...))``)
+on one GPU for long enough to attach a sampling profiler to it, and says when the steady state starts:
+
+    python benchmarks/profile_user_path.py --workload light --preset default_d6 --graphs --steps 1500 &
+    # when the file named by --ready appears: py-spy record --pid $! --threads --format raw --duration 5 ...
+
+The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows."""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from hstu_pipelines import WORKLOADS, _Batches, make_batches, model_sizes
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.models.hstu import HSTURecommender
+
+
+class _Marks(pl.Callback):
+    """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it."""
+
+    def __init__(self, warmup, every, path):
+        self.warmup, self.every, self.path, self.start = warmup, every, Path(path), None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        done = batch_idx - self.warmup
+        if done < 0 or done % self.every:
+            return
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.start is not None:
+            print(f"steps {done - self.every}-{done}: {(now - self.start) * 1e3 / self.every:.2f} ms/step", flush=True)
+        else:
+            self.path.write_text(str(os.getpid()))
+        self.start = now
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", default="light", choices=list(WORKLOADS))
+    parser.add_argument("--preset", default="default_d6")
+    parser.add_argument("--graphs", action="store_true")
+    parser.add_argument("--lightning", action="store_true", help="Lightning's own loop (engine=False)")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--ready", default="/tmp/profile_ready")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29518")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    sizes = WORKLOADS[args.workload]
+    batches = make_batches(40, 32, sizes["max_len"], 1_000_000, 16)
+    total = args.warmup + args.steps
+    loop = (batches * (total // len(batches) + 1))[:total]
+    model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=True)
+    strategy = (
+        HSTUPipelineStrategy(engine=False)
+        if args.lightning
+        else HSTUPipelineStrategy(preset=args.preset, capture_graphs=args.graphs, step_timeout=600)
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cuda",
+        devices=1,
+        use_distributed_sampler=False,
+        precision="bf16-mixed",
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[_Marks(args.warmup, args.every, args.ready)],
+    )
+    trainer.fit(model, _Batches(loop, 1_000_000))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
