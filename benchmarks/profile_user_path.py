@@ -48,6 +48,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--batches", type=int, default=110, help="distinct batches, cycled (the benchmark's 10 + 100)")
     parser.add_argument("--ready", default="/tmp/profile_ready")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
@@ -56,7 +57,7 @@ def main():
     os.environ.setdefault("MASTER_PORT", "29518")
     dist.init_process_group("nccl", rank=0, world_size=1)
     sizes = WORKLOADS[args.workload]
-    batches = make_batches(40, 32, sizes["max_len"], 1_000_000, 16)
+    batches = make_batches(args.batches, 32, sizes["max_len"], 1_000_000, 16)
     total = args.warmup + args.steps
     loop = (batches * (total // len(batches) + 1))[:total]
     model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=True)

@@ -251,12 +251,13 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def hstu_graphs(self) -> dict[str, "GraphedMethod | GraphedAdamW"]:
         """What the engine captures when the plan marks forward capturable: the dense losses on inputs of
         static shapes (``HSTUObjectives.dense_inputs(static=True)``): padded to the model's length, or
-        jagged with the token count rounded up to a capacity (one graph per capacity, up to 6); and the
+        jagged with the token count rounded up to a capacity (one graph per capacity, up to
+        ``JAGGED_GRAPHS``); and the
         dense optimizer's step where it is a ``GraphedAdamW`` (``configure_optimizers`` on a GPU)."""
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
             fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
-            self._graphed = GraphedMethod(self.objectives, "losses", max_graphs=6 if fused else 2)
+            self._graphed = GraphedMethod(self.objectives, "losses", max_graphs=JAGGED_GRAPHS if fused else 2)
         graphs = {"forward": self._graphed}
         optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
         if isinstance(optimizer, GraphedAdamW):
@@ -474,6 +475,12 @@ class JaggedInputs(NamedTuple):
     """As ``DenseInputs.negative_ids``."""
     lengths: torch.Tensor
     """[B] events per history."""
+
+
+JAGGED_GRAPHS = 12
+"""Graphs of the jagged dense part, one per token capacity (``token_capacity``: four per power of two): 12
+cover batches whose event counts span three octaves. With 6, a seventh capacity of the light benchmark's
+batches (H200, 2026-12-01) ran eagerly at every one of its batches, at about twice a replayed step's time."""
 
 
 def token_capacity(events: int, most: int) -> int:
