@@ -289,8 +289,8 @@ def test_the_trace_has_a_track_per_cuda_stream_and_consumers_start_after_their_p
 
 def test_one_gpu_step_launches_no_collective(tmp_path, monkeypatch):
     """One GPU, NCCL (world size 1): the step has nothing to reduce or exchange, and the collective inventory
-    (which attributes every launch to its task, BENCHMARKS.md) finds no launch in it: the global token count
-    and megatron-core's gradient finalisation skip their all-reduces on one rank."""
+    finds no launch in it (TorchRec skips its all-to-alls at world size 1; the global token count and
+    megatron-core's gradient finalisation skip their all-reduces on one rank)."""
     monkeypatch.chdir(tmp_path)
     inventory = CollectiveInventoryCallback(
         batch=4, path=str(tmp_path / "collectives.json"), print_table=False, trace_dir=str(tmp_path / "traces")

@@ -252,8 +252,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         """What the engine captures when the plan marks forward capturable: the dense losses on inputs of
         static shapes (``HSTUObjectives.dense_inputs(static=True)``): padded to the model's length, or
         jagged with the token count rounded up to a capacity (one graph per capacity, up to
-        ``JAGGED_GRAPHS``); and the
-        dense optimizer's step where it is a ``GraphedAdamW`` (``configure_optimizers`` on a GPU)."""
+        ``JAGGED_GRAPHS``); and the dense optimizer's step where it is a ``GraphedAdamW``
+        (``configure_optimizers`` on a GPU)."""
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
             fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
