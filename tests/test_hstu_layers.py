@@ -321,3 +321,18 @@ def test_training_flops_count_the_matrix_products_of_the_jagged_step():
     layer = 2 * tokens * 16 * (2 * 16 + 2 * 8) + 2 * tokens * 8 * 16 + 2 * pairs * (16 + 8)
     events = 4 * (2 * 16 * (1 + negatives) + 2 * (32 * 16 + 16 * 5))
     assert objectives.training_flops(lengths, negatives) == 3 * (layer + events)
+
+
+@pytest.mark.parametrize(
+    "retrieval, item_neg_rows, expected",
+    [("sampled", 4 * 16, 16), ("full", 1683, 1681), ("in_batch", 0, 300)],
+)
+def test_negatives_per_event_for_the_flops(retrieval, item_neg_rows, expected):
+    """What MFU counts per event besides its target, from a batch of 4 histories with 300 events: a sample's
+    own 16 sampled rows (64 in the batch), every other item of a 1,682-item catalogue (rows 0 .. 1682, id 0
+    no item), or every event of the batch."""
+    from lightning_hstu.models.hstu import HSTUObjectives
+
+    config = HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=4, max_seq_len=32)
+    objectives = HSTUObjectives(config, num_actions=5, temperature=0.05, retrieval=retrieval)
+    assert objectives.negatives_per_event(4, 300, item_neg_rows) == expected

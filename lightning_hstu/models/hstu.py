@@ -571,11 +571,13 @@ class HSTUObjectives(nn.Module):
         )
         return 3 * (len(stack.layers) * per_layer + sum(lengths) * per_event)
 
-    def negatives_per_event(self, batch_size: int, events: int, negatives: int) -> int:
-        """How many items each event's retrieval softmax scores besides its target: ``negatives`` (the
-        ``item_neg`` rows per sample) for ``sampled``, the whole item table for ``full`` (``negatives``
-        is then its row count over the batch), every event of the batch for ``in_batch``."""
-        return {"sampled": negatives, "full": negatives * batch_size, "in_batch": events}[self.retrieval]
+    def negatives_per_event(self, batch_size: int, events: int, item_neg_rows: int) -> int:
+        """How many items each event's retrieval softmax scores besides its target (``training_flops``'
+        negatives), given the batch's ``item_neg`` rows (all samples together; with ``full`` the catalogue,
+        ids 0 .. num_items): the sample's own rows for ``sampled``, every other item (id 0 is none) for
+        ``full``, every event of the batch for ``in_batch``."""
+        per_event = {"sampled": item_neg_rows // batch_size, "full": item_neg_rows - 2, "in_batch": events}
+        return per_event[self.retrieval]
 
     def fused(self, device: torch.device) -> bool:
         """Whether the fused kernel (jagged layout) runs on ``device``."""
@@ -699,27 +701,34 @@ class HSTUObjectives(nn.Module):
         the whole batch (``in_batch``), and the pool's ids."""
         if self.retrieval == "in_batch":
             negatives, negative_ids = targets, target_ids
+        elif self.retrieval == "full":  # the catalogue's rows are ids 0 .. num_items; id 0 is no item
+            negatives, negative_ids = negatives[1:], negative_ids[1:]
         return query @ F.normalize(negatives, dim=-1).T, negative_ids
 
     def _sums(self, predicting, targets, actions, target_ids, weight, negative_scores):
         """Retrieval (softmax over the target and the negatives) and weighted ranking (next action) losses
         summed over the positions of ``weight`` (the padded [B, L] or jagged [C] layout alike).
         ``negative_scores(query)`` gives the negatives' cosine scores and their ids; a negative that is the
-        target itself (an accidental hit) or no item (id 0) is left out of the softmax."""
-        query = F.normalize(predicting, dim=-1)
-        scores, ids = negative_scores(query)
+        target itself (an accidental hit) or no item (id 0) is left out of the softmax. The temperature
+        divides the [positions, D] queries, not the [positions, items] scores (the same logits)."""
+        query = F.normalize(predicting, dim=-1) / self.temperature
         weight = weight.to(torch.float32)
         if self.retrieval == "full":  # the target is among the scored rows already: plain cross-entropy
-            logits = scores.index_fill(-1, ids[:1], -math.inf).float() / self.temperature
-            retrieval = F.cross_entropy(
-                logits.flatten(0, -2), target_ids.flatten(), ignore_index=0, reduction="none"
-            ).view_as(weight)
+            # over the items 1 .. num_items (column c is id c + 1; a position without a target has id 0)
+            query, target_ids, position_weight = query.flatten(0, -2), target_ids.flatten(), weight.flatten()
+            if not query.is_cuda:  # the padded CPU layout: score only the real positions (no wait on a CPU)
+                real = position_weight > 0
+                query, target_ids, position_weight = query[real], target_ids[real], position_weight[real]
+            scores, _ = negative_scores(query)
+            retrieval = F.cross_entropy(scores.float(), target_ids - 1, ignore_index=-1, reduction="none")
+            retrieval = (retrieval * position_weight).sum()
         else:
+            scores, ids = negative_scores(query)
             positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
             scores = scores.masked_fill((ids == target_ids[..., None]) | (ids == 0), -math.inf)
-            logits = torch.cat([positive, scores], dim=-1).float() / self.temperature
-            retrieval = torch.logsumexp(logits, dim=-1) - logits[..., 0]  # CE with the positive at 0
-        return (retrieval * weight).sum(), self._ranking(predicting, targets, actions, weight)
+            logits = torch.cat([positive, scores], dim=-1).float()
+            retrieval = ((torch.logsumexp(logits, dim=-1) - logits[..., 0]) * weight).sum()  # positive at 0
+        return retrieval, self._ranking(predicting, targets, actions, weight)
 
     def _ranking(self, predicting, targets, actions, weight) -> torch.Tensor:
         if self.ranking_head is None:
