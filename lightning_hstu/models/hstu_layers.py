@@ -93,7 +93,7 @@ class _LookupBias(torch.autograd.Function):
     Autograd's own backward of the gather (an accumulating index_put) sorts the indices and then walks the
     duplicates of each entry one after another: with B*L*L indices onto a few dozen time buckets that is
     tens of thousands of sequential adds per entry, which made it the most expensive kernel of the whole
-    HSTU step on the GPU. Here consecutive indices add into ``SPREAD`` copies of the table (so that few
+    HSTU step on the GPU. There consecutive indices add into ``SPREAD`` copies of the table (so that few
     atomic adds meet on one address), summed at the end. No data-dependent shape and no host sync, so a
     CUDA graph can capture it (``bincount`` could not: it reads the largest index on the host)."""
 
@@ -109,6 +109,9 @@ class _LookupBias(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
         flat = index.reshape(-1)
+        if not grad.is_cuda:  # one thread adds in order on a CPU: the spread's index arithmetic only costs
+            table = torch.zeros(ctx.entries, dtype=torch.float32, device=grad.device)
+            return table.index_add_(0, flat, grad.reshape(-1).float()).to(ctx.dtype), None
         lane = torch.arange(flat.numel(), device=flat.device) % _LookupBias.SPREAD
         copies = torch.zeros(_LookupBias.SPREAD * ctx.entries, dtype=torch.float32, device=grad.device)
         copies.index_add_(0, lane * ctx.entries + flat, grad.reshape(-1).float())
@@ -178,8 +181,8 @@ class PaddedTokens(NamedTuple):
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         allowed = causal[None, None] & mask[:, None, None, :] & mask[:, None, :, None]
         n = mask.sum(dim=1).clamp(min=1).float()[:, None, None, None]
-        attention = F.silu(scores) * allowed / n  # pointwise, normalised by the sequence length
-        return (attention @ v).transpose(1, 2)
+        attention = F.silu(scores) * allowed  # pointwise, normalised by the sequence length (after A V)
+        return ((attention @ v) / n).transpose(1, 2)
 
     def keep(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.mask[..., None]  # padding stays as it came in
