@@ -249,6 +249,31 @@ class EagerOptimizerStep(HSTURecommender):
         )
 
 
+def cycled(batches, total):
+    """``total`` batches: ``batches`` over and over."""
+    return (batches * (total // len(batches) + 1))[:total]
+
+
+def user_path_trainer(strategy, device, total, callbacks) -> pl.Trainer:
+    """The Trainer of the user's-path rows (one device per rank, bf16 on CUDA, ``total`` steps, nothing
+    but the step: no logger, checkpoint, progress bar or validation); also ``profile_user_path.py``'s."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator=device.type,
+        devices=dist.get_world_size() if dist.is_initialized() else 1,
+        use_distributed_sampler=False,
+        precision="bf16-mixed" if device.type == "cuda" else "32-true",
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
 def measure_trainer(
     mode,
     strategy,
@@ -276,25 +301,9 @@ def measure_trainer(
     )
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
-    loop = (batches * (total // len(batches) + 1))[:total]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator=device.type,
-        devices=world,
-        use_distributed_sampler=False,
-        precision="bf16-mixed" if device.type == "cuda" else "32-true",
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer, recorder],
-    )
+    trainer = user_path_trainer(strategy, device, total, [timer, recorder])
     _reset_peak(device)
-    trainer.fit(model, _Batches(loop, num_items))
+    trainer.fit(model, _Batches(cycled(batches, total), num_items))
     times = timer.times[:repeats]
     return {
         "mode": mode,

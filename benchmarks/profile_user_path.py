@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from hstu_pipelines import WORKLOADS, _Batches, make_batches, model_sizes
+from hstu_pipelines import WORKLOADS, _Batches, cycled, make_batches, model_sizes, user_path_trainer
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.hstu import HSTURecommender
@@ -59,29 +59,14 @@ def main():
     sizes = WORKLOADS[args.workload]
     batches = make_batches(args.batches, 32, sizes["max_len"], 1_000_000, 16)
     total = args.warmup + args.steps
-    loop = (batches * (total // len(batches) + 1))[:total]
     model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=True)
     strategy = (
         HSTUPipelineStrategy(engine=False)
         if args.lightning
         else HSTUPipelineStrategy(preset=args.preset, capture_graphs=args.graphs, step_timeout=600)
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cuda",
-        devices=1,
-        use_distributed_sampler=False,
-        precision="bf16-mixed",
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[_Marks(args.warmup, args.every, args.ready)],
-    )
-    trainer.fit(model, _Batches(loop, 1_000_000))
+    trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready)])
+    trainer.fit(model, _Batches(cycled(batches, total), 1_000_000))
     dist.destroy_process_group()
 
 

@@ -80,7 +80,7 @@ class GraphedMethod:
         self._parameters = tuple(self.module.parameters())  # what every replay passes (not walked per call)
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
-            parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self.module.parameters())
+            parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._parameters)
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
                 self.graphs[signature] = torch.cuda.make_graphed_callables(
                     call, (*self._samples.pop(signature), *parameters), num_warmup_iters=self.warmup
