@@ -288,9 +288,11 @@ def measure_trainer(
     balance=True,
     nonfinite="raise",
     model_class=HSTURecommender,
+    warm_passes=0,
 ):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
-    ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop)."""
+    ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop). ``warm_passes``: as ``measure``'s, windows
+    of ``steps`` steps run before timing, on the cycled batches."""
     torch.manual_seed(0)
     model = model_class(
         **model_sizes(sizes, attention),
@@ -299,6 +301,7 @@ def measure_trainer(
         balance_batches=balance,
         on_nonfinite_loss=nonfinite,
     )
+    warmup += warm_passes * steps
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
     total = warmup + steps * (repeats + 1)
     trainer = user_path_trainer(strategy, device, total, [timer, recorder])
@@ -437,6 +440,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             balance,
             nonfinite,
             model_class,
+            warm_passes=3 if strategy_args.get("capture_graphs") else 0,  # as the Engine's graph rows
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))]

@@ -75,13 +75,21 @@ CASES = {  # lengths, heads, attention_dim, hidden_dim, position entries, bucket
 }
 
 
-@pytest.mark.parametrize("bias_grads", ["dq", "dkdv"])
+LAUNCHES = {  # launch settings that change how the bias gradients are summed
+    "bias gradients in dq": {},
+    "bias gradients in dkdv": {"bias_grads": "dkdv"},
+    "dq tiles of two key blocks": {"dq": dict(BLOCK_M=32, BLOCK_N=16)},  # the position sums' rotated row blocks
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device, bias_grads, monkeypatch):
-    """Also with the bias gradients summed by either backward kernel (a launch setting)."""
+def test_fp32_output_and_every_gradient_equal_the_padded_reference(case, device, launch, monkeypatch):
+    """Also with the bias gradients summed by either backward kernel, and with dq tiles of several key
+    blocks (launch settings)."""
     configs = kernel.kernel_configs
-    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), "bias_grads": bias_grads})
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
     lengths, heads, a, d, positions, buckets, max_len = CASES[case]
     q, k, v, offsets, times, lengths_t = jagged_batch(lengths, heads, a, d, buckets, device)
     bias = bias_tables(positions, buckets, device)

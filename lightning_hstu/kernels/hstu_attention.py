@@ -17,7 +17,8 @@ one program per block of keys walks the queries after it and accumulates dk and 
 of queries walks the keys before it and accumulates dq and the bias gradients (in the dk/dv kernel, whose
 two accumulators already fill the registers, they spilled). Both recompute the scores.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
-position table's (one entry per diagonal) come from a skewed gather of the tile summed over rows; the time
+position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
+rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
 table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
 buckets are wide there, and the forward then adds one number for the whole tile too), else one sum per
 bucket of the tile's range. The position sums go to the table's gradient by atomic adds per tile; the
@@ -353,6 +354,35 @@ def _hstu_fwd(
 
 
 @triton.jit
+def _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds the diagonal sums of a [queries, keys] tile ``ds`` (query i = base + r, key j = c: distance
+    base + r - c) to the position table's gradient. Row r is rotated left by r mod BLOCK_N (a gather as
+    large as the tile, where gathering every diagonal would be four times larger): in the rotated tile,
+    column c of row block g holds distance base + g BLOCK_N - c where the rotation did not wrap and one
+    block further where it did. Needs BLOCK_N to divide BLOCK_M."""
+    GROUPS: tl.constexpr = BLOCK_M // BLOCK_N
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    rolled = tl.reshape(tl.gather(ds, (c + r) % BLOCK_N, 1), [GROUPS, BLOCK_N, BLOCK_N])
+    wrapped = (tl.arange(0, BLOCK_N)[:, None] + c >= BLOCK_N)[None, :, :]
+    straight = tl.sum(tl.where(wrapped, 0.0, rolled), 1)  # [GROUPS, BLOCK_N]
+    over = tl.sum(tl.where(wrapped, rolled, 0.0), 1)
+    distance = base + tl.arange(0, GROUPS)[:, None] * BLOCK_N - c  # [GROUPS, BLOCK_N]
+    tl.atomic_add(
+        d_position + tl.minimum(tl.maximum(distance, 0), num_positions - 1),
+        straight * scale,
+        mask=distance >= 0,
+        sem="relaxed",
+    )
+    tl.atomic_add(
+        d_position + tl.minimum(distance + BLOCK_N, num_positions - 1),
+        over * scale,
+        mask=distance + BLOCK_N >= 0,
+        sem="relaxed",
+    )
+
+
+@triton.jit
 def _bias_grads(
     ds,
     bucket,
@@ -374,21 +404,20 @@ def _bias_grads(
     the sum over the pairs in it, into the program's ``dtime`` (``TIME_BLOCK`` sums in registers, added to
     the table's gradient once at the program's end). ``ds`` is [keys, queries] if ``KEYS_FIRST`` else
     [queries, keys]. Returns ``dtime``."""
-    diagonal = tl.arange(0, SKEW)
     if KEYS_FIRST:  # the query column of diagonal e in key row c: c + e - (BLOCK_N - 1)
+        diagonal = tl.arange(0, SKEW)
         skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)
         skew_ok = (skew >= 0) & (skew < BLOCK_M)
-    else:  # the key column of diagonal e in query row r: r - e + (BLOCK_N - 1)
-        skew = tl.arange(0, BLOCK_M)[:, None] - diagonal[None, :] + (BLOCK_N - 1)
-        skew_ok = (skew >= 0) & (skew < BLOCK_N)
-    per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
-    distance = base + diagonal - (BLOCK_N - 1)
-    tl.atomic_add(
-        d_position + tl.minimum(distance, num_positions - 1),
-        per_diagonal * scale,
-        mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1),
-        sem="relaxed",
-    )
+        per_diagonal = tl.sum(tl.where(skew_ok, tl.gather(ds, tl.where(skew_ok, skew, 0), 1), 0.0), 0)
+        distance = base + diagonal - (BLOCK_N - 1)
+        tl.atomic_add(
+            d_position + tl.minimum(distance, num_positions - 1),
+            per_diagonal * scale,
+            mask=(distance >= 0) & (diagonal < BLOCK_M + BLOCK_N - 1),
+            sem="relaxed",
+        )
+    else:
+        _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M, BLOCK_N)
     slots = tl.arange(0, TIME_BLOCK)
     if low == high:  # one bucket for the whole tile (usual away from the diagonal)
         dtime += tl.where(slots == low, tl.sum(ds), 0.0)
