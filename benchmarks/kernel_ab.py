@@ -1,0 +1,147 @@
+"""Times versions of the fused HSTU attention kernel beside each other on one GPU, in one process: each
+version is a copy of ``lightning_hstu/kernels/hstu_attention.py`` (a file path; the module is standalone:
+torch and triton only, so neither the package nor TorchRec is imported). Every version first runs on the
+same inputs as the first one and its output and gradients are compared with the first's; then the
+versions are timed in turns (round-robin, ``--rounds`` times), so that a GPU's drift over a lease falls on
+each version alike.
+
+    git show main:lightning_hstu/kernels/hstu_attention.py > /tmp/base.py
+    python benchmarks/kernel_ab.py /tmp/base.py lightning_hstu/kernels/hstu_attention.py [--profile]
+
+Inputs as ``hstu_attention_kernel.py``'s (batch 32, floor(U^-5) lengths capped at L, 4 heads x 128, bf16,
+time gaps up to an hour with every fifth gap 0). Without a GPU it runs in Triton's interpreter
+(``TRITON_INTERPRET=1``, fp32, ``--shapes tiny``): a smoke run, whose times mean nothing. Per version and
+shape: forward and backward ms of each round (CUDA events around one call, median of ``--reps``), and with
+``--profile`` the GPU time of each of the three kernels per call (torch.profiler over 5 calls).
+"""
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"heavy": (32, 1024), "seed": (32, 4096), "tiny": (4, 48)}  # batch, max_len; 4 heads x 128
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter, fp32
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location(f"kernel_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lengths_for(batch: int, max_len: int, seed: int = 0) -> torch.Tensor:
+    u = torch.rand(batch, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).clamp_min(1e-300)
+    return u.pow(-5.0).clamp(max=float(max_len)).floor().long().clamp(2, max_len)
+
+
+def make_inputs(lengths: torch.Tensor, max_len: int, heads: int = 4, dim: int = 128):
+    gen = torch.Generator().manual_seed(0)
+    n = int(lengths.sum())
+    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(DEVICE, DTYPE).requires_grad_() for _ in range(3))
+    gaps = torch.randint(0, 3600, (n,), generator=gen)
+    gaps[::5] = 0
+    times = torch.cumsum(gaps, 0).to(DEVICE)
+    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(DEVICE)
+    position = (0.5 * torch.randn(max_len, generator=gen)).to(DEVICE).requires_grad_()
+    time = (0.5 * torch.randn(64, generator=gen)).to(DEVICE).requires_grad_()
+    return q, k, v, offsets, times, position, time
+
+
+def time_ms(fn, reps: int) -> float:
+    if DEVICE.type != "cuda":  # the interpreter: a smoke run, the times mean nothing
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="+", help="kernel source files; the first is the baseline")
+    parser.add_argument("--shapes", nargs="+", default=["heavy", "seed"], choices=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=20, help="calls per timing (median)")
+    parser.add_argument("--profile", action="store_true", help="GPU time per call of each kernel")
+    args = parser.parse_args()
+    modules = {path: load(path) for path in args.versions}
+    device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (Triton's interpreter)"
+    print(f"# {device}, torch {torch.__version__}")
+    for shape in args.shapes:
+        batch, max_len = SHAPES[shape]
+        lengths = lengths_for(batch, max_len)
+        inputs = make_inputs(lengths, max_len)
+        q, k, v, offsets, times, position, time = inputs
+        grad = torch.randn_like(v)
+        print(f"\n## {shape}: {int(lengths.sum())} tokens, max_len {max_len}")
+
+        def call(module):
+            return module.hstu_attention(q, k, v, offsets, times, position, time, max_len)
+
+        first = None
+        for path, module in modules.items():
+            for t in (q, k, v, position, time):
+                t.grad = None
+            out = call(module)
+            out.backward(grad)
+            got = [t.float() for t in (out, q.grad, k.grad, v.grad, position.grad, time.grad)]
+            if first is None:
+                first = got
+                continue
+            errors = [((a - b).norm() / b.norm()).item() for a, b in zip(got, first)]
+            names = ["out", "dq", "dk", "dv", "dposition", "dtime"]
+            print(
+                f"{path}: relative difference to {args.versions[0]}: "
+                + " ".join(f"{n}={e:.1e}" for n, e in zip(names, errors))
+            )
+        results = {path: ([], []) for path in modules}
+        for _ in range(args.rounds):
+            for path, module in modules.items():
+
+                def forward(module=module):
+                    with torch.no_grad():
+                        call(module)
+
+                def both(module=module):
+                    torch.autograd.backward(call(module), grad)
+
+                fwd = time_ms(forward, args.reps)
+                results[path][0].append(fwd)
+                results[path][1].append(time_ms(both, args.reps) - fwd)
+        for path, (fwd, bwd) in results.items():
+            print(
+                f"{path}: fwd ms "
+                + " ".join(f"{x:.3f}" for x in fwd)
+                + " | bwd ms "
+                + " ".join(f"{x:.3f}" for x in bwd)
+            )
+        if args.profile and DEVICE.type == "cuda":
+            for path, module in modules.items():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+                    for _ in range(5):
+                        torch.autograd.backward(call(module), grad)
+                    torch.cuda.synchronize()
+                kernels = {
+                    e.key: e.device_time_total / 5 / 1e3 for e in profiler.key_averages() if e.key.startswith("_hstu")
+                }
+                print(f"{path}: ms per call " + " ".join(f"{name} {ms:.3f}" for name, ms in sorted(kernels.items())))
+
+
+if __name__ == "__main__":
+    main()
