@@ -4,7 +4,8 @@ on one GPU for long enough to attach a sampling profiler to it, and says when th
     python benchmarks/profile_user_path.py --workload light --preset default_d6 --graphs --steps 1500 &
     # when the file named by --ready appears: py-spy record --pid $! --threads --format raw --duration 5 ...
 
-The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows."""
+The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows. Without
+a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes."""
 
 import argparse
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from hstu_pipelines import WORKLOADS, _Batches, cycled, make_batches, model_sizes, user_path_trainer
+from hstu_pipelines import SMALL, WORKLOADS, _Batches, cycled, make_batches, model_sizes, user_path_trainer
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.hstu import HSTURecommender
@@ -30,7 +31,8 @@ class _Marks(pl.Callback):
         done = batch_idx - self.warmup
         if done < 0 or done % self.every:
             return
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         now = time.perf_counter()
         if self.start is not None:
             print(f"steps {done - self.every}-{done}: {(now - self.start) * 1e3 / self.every:.2f} ms/step", flush=True)
@@ -50,14 +52,17 @@ def main():
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--batches", type=int, default=110, help="distinct batches, cycled (the benchmark's 10 + 100)")
     parser.add_argument("--ready", default="/tmp/profile_ready")
+    parser.add_argument("--small", action="store_true", help="hstu_pipelines.py's tiny sizes (for a CPU run)")
     args = parser.parse_args()
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29518")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    sizes = WORKLOADS[args.workload]
-    batches = make_batches(args.batches, 32, sizes["max_len"], 1_000_000, 16)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    sizes = SMALL if args.small else WORKLOADS[args.workload]
+    num_items = 1000 if args.small else 1_000_000
+    batches = make_batches(args.batches, 32, sizes["max_len"], num_items, 16)
     total = args.warmup + args.steps
     model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=True)
     strategy = (
@@ -66,7 +71,7 @@ def main():
         else HSTUPipelineStrategy(preset=args.preset, capture_graphs=args.graphs, step_timeout=600)
     )
     trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready)])
-    trainer.fit(model, _Batches(cycled(batches, total), 1_000_000))
+    trainer.fit(model, _Batches(cycled(batches, total), num_items))
     dist.destroy_process_group()
 
 
