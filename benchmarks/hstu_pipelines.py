@@ -19,6 +19,9 @@ Workloads (batch 32, zipf(1.2) history lengths capped at L, a 1M-row item table,
 light: L=256, width 128, 2 layers, 2 heads x 32; heavy: L=1024, width 512, 8 layers, 4 heads x 128;
 seed: L=4096, width 128, 10 layers, 4 heads x 128 (the seed engine's benchmark shape).
 (The model's token embeddings have the model's width.) ``--small`` shrinks everything for a CPU smoke run.
+``--rows`` runs some groups of rows only: run the groups in processes of their own to keep what one mode
+leaves behind (its model, engine threads' process groups, captured graphs) out of the next one's time (on
+one H200 a user's-path row read 3-4 ms/step slower after the other rows than alone, BENCHMARKS.md).
 
 ``--attention padded fused`` runs every mode with the padded reference attention and with the fused
 jagged kernel, one block each; ``--shuffler balanced identity`` (several ranks) with and without the
@@ -417,10 +420,24 @@ def thread_host_ms(records, steps):
     return " ".join(f"{t}={v / steps:.2f}" for t, v in per_thread.items())
 
 
+ROWS = ("plain", "engine", "user", "lightning", "pipeline")
+"""Groups of rows (``--rows``): the plain loop; the presets driven directly (and the fastest with graphs);
+the presets through the Trainer (with graphs and with ``on_nonfinite_loss="stop"`` for the fastest);
+Lightning's own loop; TorchRec's pipeline."""
+
+
+def fastest_preset(results, suffix=""):
+    rows = [r for r in results if r["mode"].endswith(suffix) and r["mode"].removesuffix(suffix) in PRESET_NAMES]
+    return min(rows, key=lambda r: r["ms"])["mode"].removesuffix(suffix) if rows else None
+
+
 def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, shuffler):
     balance = shuffler != "identity"
-    model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
-    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    rows = set(args.rows)
+    model = optimizer = None
+    if rows & {"plain", "engine", "pipeline"}:  # the rows that drive one model directly share it
+        model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
+        optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
 
     def measure_(name, run, passes=0, plan=None):
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
@@ -443,18 +460,14 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             warm_passes=3 if strategy_args.get("capture_graphs") else 0,  # as the Engine's graph rows
         )
 
-    results = [measure_("plain loop", run_plain(model, optimizer, autocast))]
-    if args.plain_only:
-        return results, model
-    for preset in args.presets:
+    results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
+    for preset in args.presets if "engine" in rows else ():
         run, engine = run_engine(model, optimizer, autocast, device, preset)
         try:
             results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan))
         finally:
             engine.close()
-    best = (
-        min((r for r in results[1:]), key=lambda r: r["ms"])["mode"].removesuffix(" (Engine)") if args.presets else None
-    )
+    best = fastest_preset(results, " (Engine)")
     if device.type == "cuda" and best:
         run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
         try:
@@ -469,8 +482,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
-    if not args.no_user_path and shuffler != "balanced_step_group":  # the model's shuffler has its own group
+    if "user" in rows and shuffler != "balanced_step_group":  # the model's shuffler has its own group
         results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
+        best = best or fastest_preset(results)  # without Engine rows: the fastest through the Trainer
         if device.type == "cuda" and best:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
             results.append(
@@ -488,10 +502,12 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                 results.append(
                     user_path(f"{best} + graphs, stop", "stop", preset=best, capture_graphs=True, step_timeout=600)
                 )
-    if not args.no_lightning:
+    if "lightning" in rows:
         results.append(user_path("Lightning loop", engine=False))
-    if not args.no_pipeline:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
+    if "pipeline" in rows:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
         results.append(measure_("TrainPipelineSparseDist", run_pipeline(model, optimizer, autocast, device)))
+    if model is None:  # for the report's FLOPs only: the dense part, no tables, no process group
+        model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000, num_actions=5)
     return results, model
 
 
@@ -542,6 +558,14 @@ def main():
     parser.add_argument("--no-pipeline", action="store_true", help="leave out TorchRec's TrainPipelineSparseDist")
     parser.add_argument("--plain-only", action="store_true", help="only the plain loop (with --kernels: a profile)")
     parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(ROWS),
+        choices=ROWS,
+        help="which groups of rows to run (a process per group keeps one mode's leftovers, e.g. models, "
+        "engines and captured graphs, out of the next one's time)",
+    )
+    parser.add_argument(
         "--kernels", type=int, default=0, metavar="N", help="print the N heaviest GPU kernels of each mode per step"
     )
     parser.add_argument(
@@ -574,6 +598,8 @@ def main():
         "attention on CUDA only)",
     )
     args = parser.parse_args()
+    excluded = {"user": args.no_user_path, "lightning": args.no_lightning, "pipeline": args.no_pipeline}
+    args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
