@@ -11,10 +11,10 @@ scores is not counted) and, beside it, as 2.5x (the convention of published HSTU
 """
 
 import argparse
-import statistics
 
 import torch
 import triton
+from kernel_ab import lengths_for, make_inputs, time_ms
 
 from lightning_hstu.kernels import hstu_attention as kernel
 from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, RelativeBias, to_padded
@@ -46,23 +46,6 @@ SWEEP = (  # candidate launch settings, one kernel at a time (each checked again
         for m, n, w, s in [(64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
     ]
 )
-
-
-def lengths_for(batch, max_len, gen):
-    """floor(U^-5) capped to [2, max_len], U uniform in float64 (the same lengths as the anchors' harness)."""
-    u = torch.rand(batch, generator=gen, dtype=torch.float64).clamp_min(1e-300)
-    return u.pow(-5.0).clamp(max=float(max_len)).floor().long().clamp(2, max_len)
-
-
-def make_inputs(lengths, heads, dim, dtype, seed=0, device="cuda"):
-    gen = torch.Generator().manual_seed(seed)
-    n = int(lengths.sum())
-    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
-    gaps = torch.randint(0, 3600, (n,), generator=gen)
-    gaps[::5] = 0  # equal times: the first bucket
-    times = torch.cumsum(gaps, 0).to(device)
-    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device)
-    return q, k, v, offsets, times
 
 
 def bias_tables(max_len, device):
@@ -102,21 +85,6 @@ def errors(lengths, heads, dim, dtype, max_len):
         name: ((a - b).norm() / b.norm()).item()
         for name, a, b in zip(["out", "dq", "dk", "dv", "dposition", "dtime"], got, expected)
     }
-
-
-def time_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_kernel(lengths, heads, dim, max_len):
@@ -169,7 +137,7 @@ def main():
     default = kernel.kernel_configs
     for name in args.shapes:
         shape = SHAPES[name]
-        lengths = lengths_for(32, shape["max_len"], torch.Generator().manual_seed(0))
+        lengths = lengths_for(32, shape["max_len"])
         fwd_flops = flops(lengths, shape["heads"], shape["dim"])
         print(
             f"\n## {name}: {shape}, {int(lengths.sum())} tokens (median {int(lengths.median())}, "

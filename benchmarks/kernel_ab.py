@@ -36,24 +36,30 @@ def load(path: str):
 
 
 def lengths_for(batch: int, max_len: int, seed: int = 0) -> torch.Tensor:
+    """floor(U^-5) capped to [2, max_len], U uniform in float64 (the same lengths as the anchors' harness)."""
     u = torch.rand(batch, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).clamp_min(1e-300)
     return u.pow(-5.0).clamp(max=float(max_len)).floor().long().clamp(2, max_len)
 
 
-def make_inputs(lengths: torch.Tensor, max_len: int, heads: int = 4, dim: int = 128):
-    gen = torch.Generator().manual_seed(0)
+def make_inputs(lengths, heads, dim, dtype, seed=0, device="cuda"):
+    """Random q, k, v and times (gaps up to an hour, every fifth 0: the first bucket) and the offsets."""
+    gen = torch.Generator().manual_seed(seed)
     n = int(lengths.sum())
-    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(DEVICE, DTYPE).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(n, heads, dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
     gaps = torch.randint(0, 3600, (n,), generator=gen)
     gaps[::5] = 0
-    times = torch.cumsum(gaps, 0).to(DEVICE)
-    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(DEVICE)
-    position = (0.5 * torch.randn(max_len, generator=gen)).to(DEVICE).requires_grad_()
-    time = (0.5 * torch.randn(64, generator=gen)).to(DEVICE).requires_grad_()
-    return q, k, v, offsets, times, position, time
+    times = torch.cumsum(gaps, 0).to(device)
+    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device)
+    return q, k, v, offsets, times
 
 
-def time_ms(fn, reps: int) -> float:
+def bias_tables(max_len: int, buckets: int = 64, seed: int = 1):
+    """The position and time tables, N(0, 0.25) entries (``HSTUConfig``'s sizes)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((0.5 * torch.randn(size, generator=gen)).to(DEVICE).requires_grad_() for size in (max_len, buckets))
+
+
+def time_ms(fn, reps: int = 20) -> float:
     if DEVICE.type != "cuda":  # the interpreter: a smoke run, the times mean nothing
         start = time.perf_counter()
         fn()
@@ -86,8 +92,8 @@ def main():
     for shape in args.shapes:
         batch, max_len = SHAPES[shape]
         lengths = lengths_for(batch, max_len)
-        inputs = make_inputs(lengths, max_len)
-        q, k, v, offsets, times, position, time = inputs
+        q, k, v, offsets, times = make_inputs(lengths, 4, 128, DTYPE, device=DEVICE)
+        position, time = bias_tables(max_len)
         grad = torch.randn_like(v)
         print(f"\n## {shape}: {int(lengths.sum())} tokens, max_len {max_len}")
 
