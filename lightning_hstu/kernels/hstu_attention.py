@@ -10,7 +10,10 @@ with ``bucket(seconds) = floor(log2(1 + seconds))``, seconds taken in float32 (t
 exact, the same in every implementation). The two bias tables are shared by the heads (one pair per
 layer). Sequences are given as rows ``offsets[b]:offsets[b + 1]`` of ``[N, heads, dim]`` tensors; no
 ``[B, heads, L, L]`` or ``[B, L, L]`` tensor is ever made: each program keeps a ``BLOCK_M x BLOCK_N`` tile
-of scores in registers and reads the bias tables (a few kB) where it needs them.
+of scores in registers and reads the bias tables (a few kB) where it needs them. Whether a tile's gaps all
+fall in one time bucket (its time bias then one number) is decided from the time ranges of its query and
+key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
+tiles whose gaps span several buckets read their timestamps.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
@@ -54,14 +57,32 @@ def _bucket(gap, num_buckets):
 
 
 @triton.jit
-def _bucket_range(ts_i, i_ok, ts_j, j_ok, num_buckets):
-    """The lowest and highest time bucket of the pairs between the ``ts_i`` and ``ts_j`` that are ok. Far
-    from the diagonal a tile's gaps usually share one bucket (log2 buckets are wide there): the tile's time
+def _time_range(ranges, first, BLOCK: tl.constexpr, RANGE_BLOCK: tl.constexpr):
+    """The earliest and latest time of tokens ``first:first + BLOCK`` of a sequence, from its per-block ranges."""
+    GROUPS: tl.constexpr = (BLOCK + RANGE_BLOCK - 1) // RANGE_BLOCK
+    g = first // RANGE_BLOCK + tl.arange(0, GROUPS)
+    return tl.min(tl.load(ranges + 2 * g)), tl.max(tl.load(ranges + 2 * g + 1))
+
+
+@triton.jit
+def _time_ranges(timestamps, offsets, ranges, blocks, RANGE_BLOCK: tl.constexpr):
+    """Per sequence and block of ``RANGE_BLOCK`` tokens, its earliest and latest time (``ranges`` [sequences,
+    blocks, 2]); blocks past the sequence's end get (2^62, -2^62), which no min or max picks up."""
+    block, seq = tl.program_id(0), tl.program_id(1)
+    start, n = _sequence(offsets, seq)
+    index = block * RANGE_BLOCK + tl.arange(0, RANGE_BLOCK)
+    ok = index < n
+    t = tl.load(timestamps + start + index, mask=ok, other=0)
+    out = ranges + 2 * (seq * blocks + block)
+    tl.store(out, tl.min(tl.where(ok, t, 2**62)))
+    tl.store(out + 1, tl.max(tl.where(ok, t, -(2**62))))
+
+
+@triton.jit
+def _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets):
+    """The lowest and highest time bucket of the pairs between two blocks of tokens, from their time ranges.
+    Far from the diagonal a tile's gaps usually share one bucket (log2 buckets are wide there): the tile's time
     bias is then one number."""
-    ti_min = tl.min(tl.where(i_ok, ts_i, 2**62))
-    ti_max = tl.max(tl.where(i_ok, ts_i, -(2**62)))
-    tj_min = tl.min(tl.where(j_ok, ts_j, 2**62))
-    tj_max = tl.max(tl.where(j_ok, ts_j, -(2**62)))
     lowest = tl.maximum(tl.maximum(ti_min - tj_max, tj_min - ti_max), 0)
     highest = tl.maximum(ti_max - tj_min, tj_max - ti_min)
     return _bucket(lowest, num_buckets), _bucket(highest, num_buckets)
@@ -71,8 +92,9 @@ def _bucket_range(ts_i, i_ok, ts_j, j_ok, num_buckets):
 def _bias(
     i,
     j,
-    ts_i,
-    ts_j,
+    ts_known,
+    ts_pointers,
+    ts_ok,
     low,
     high,
     position_table,
@@ -96,7 +118,7 @@ def _bias(
         bias = position + tl.load(time_table + low)
         bucket = tl.full(position.shape, 0, tl.int32) + low
     else:
-        bucket = _bucket(ts_i - ts_j, num_buckets)
+        bucket = _bucket(ts_known - tl.load(ts_pointers, mask=ts_ok, other=0), num_buckets)
         bias = position + tl.load(time_table + bucket)
     return bias, bucket
 
@@ -148,6 +170,9 @@ def _query_tile(
     K,
     V,
     ts,
+    ranges,
+    ti_min,
+    ti_max,
     position_table,
     time_table,
     n,
@@ -164,6 +189,7 @@ def _query_tile(
     FAST: tl.constexpr,
     CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, the [queries, keys]
     scores (bias included) with their sigmoid, each pair's time bucket, and the tile's bucket range."""
@@ -171,13 +197,14 @@ def _query_tile(
     col_ok = cols < n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
-    ts_j = tl.load(ts + cols, mask=col_ok, other=0)
-    low, high = _bucket_range(ts_i, rows < n, ts_j, col_ok, num_buckets)
+    tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
+    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
         rows[:, None],
         cols[None, :],
         ts_i[:, None],
-        ts_j[None, :],
+        (ts + cols)[None, :],
+        col_ok[None, :],
         low,
         high,
         position_table,
@@ -201,6 +228,9 @@ def _fwd_tile(
     K,
     V,
     ts,
+    ranges,
+    ti_min,
+    ti_max,
     position_table,
     time_table,
     n,
@@ -217,6 +247,7 @@ def _fwd_tile(
     FAST: tl.constexpr,
     CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     cols, k, v, s, sig, _, _, _ = _query_tile(
         q,
@@ -226,6 +257,9 @@ def _fwd_tile(
         K,
         V,
         ts,
+        ranges,
+        ti_min,
+        ti_max,
         position_table,
         time_table,
         n,
@@ -242,6 +276,7 @@ def _fwd_tile(
         FAST,
         CLAMP,
         BLOCK_N,
+        RANGE_BLOCK,
     )
     p = s * sig
     if MASKED:
@@ -257,6 +292,8 @@ def _hstu_fwd(
     Out,
     offsets,
     timestamps,
+    ranges,
+    range_blocks,
     position_table,
     time_table,
     stride_qn,
@@ -278,6 +315,7 @@ def _hstu_fwd(
     CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most keys) start first
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -293,6 +331,8 @@ def _hstu_fwd(
     row_ok = rows < n
     q = _rows(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    ranges += 2 * seq * range_blocks
+    ti_min, ti_max = _time_range(ranges, first, BLOCK_M, RANGE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for key in range(0, first, BLOCK_N):  # keys before the block: every pair is causal
         acc = _fwd_tile(
@@ -304,6 +344,9 @@ def _hstu_fwd(
             K,
             V,
             ts,
+            ranges,
+            ti_min,
+            ti_max,
             position_table,
             time_table,
             n,
@@ -320,6 +363,7 @@ def _hstu_fwd(
             FAST,
             CLAMP,
             BLOCK_N,
+            RANGE_BLOCK,
         )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):  # the diagonal: masked
         acc = _fwd_tile(
@@ -331,6 +375,9 @@ def _hstu_fwd(
             K,
             V,
             ts,
+            ranges,
+            ti_min,
+            ti_max,
             position_table,
             time_table,
             n,
@@ -347,6 +394,7 @@ def _hstu_fwd(
             FAST,
             CLAMP,
             BLOCK_N,
+            RANGE_BLOCK,
         )
     _store_rows(
         Out + start * stride_on + head * stride_oh, rows, row_ok, stride_on, acc / n.to(tl.float32), HIDDEN_DIM, BLOCK_D
@@ -447,6 +495,9 @@ def _dkdv_tile(
     Q,
     dOut,
     ts,
+    ranges,
+    tj_min,
+    tj_max,
     d_position,
     position_table,
     time_table,
@@ -469,19 +520,21 @@ def _dkdv_tile(
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
     q_t = _columns(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)  # [A, M]
     do = _rows(dOut, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)  # [M, D], zero past the end
-    ts_i = tl.load(ts + rows, mask=row_ok, other=0)
-    low, high = _bucket_range(ts_i, row_ok, ts_j, cols < n, num_buckets)
+    ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
+    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
         rows[None, :],
         cols[:, None],
-        ts_i[None, :],
         ts_j[:, None],
+        (ts + rows)[None, :],
+        row_ok[None, :],
         low,
         high,
         position_table,
@@ -534,6 +587,8 @@ def _hstu_bwd_dkdv(
     d_time,
     offsets,
     timestamps,
+    ranges,
+    range_blocks,
     position_table,
     time_table,
     stride_qn,
@@ -562,6 +617,7 @@ def _hstu_bwd_dkdv(
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
     start, n = _sequence(offsets, seq)
@@ -576,6 +632,8 @@ def _hstu_bwd_dkdv(
     k = _rows(K + start * stride_kn + head * stride_kh, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V + start * stride_vn + head * stride_vh, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
+    ranges += 2 * seq * range_blocks
+    tj_min, tj_max = _time_range(ranges, first, BLOCK_N, RANGE_BLOCK)
     inv_n = 1.0 / n.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -596,6 +654,9 @@ def _hstu_bwd_dkdv(
             Q,
             dOut,
             ts,
+            ranges,
+            tj_min,
+            tj_max,
             d_position,
             position_table,
             time_table,
@@ -618,6 +679,7 @@ def _hstu_bwd_dkdv(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            RANGE_BLOCK,
         )
     for row in range(unmasked, n, BLOCK_M):
         dk, dv, dtime = _dkdv_tile(
@@ -633,6 +695,9 @@ def _hstu_bwd_dkdv(
             Q,
             dOut,
             ts,
+            ranges,
+            tj_min,
+            tj_max,
             d_position,
             position_table,
             time_table,
@@ -655,6 +720,7 @@ def _hstu_bwd_dkdv(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            RANGE_BLOCK,
         )
     _store_rows(
         dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
@@ -677,6 +743,9 @@ def _dq_tile(
     K,
     V,
     ts,
+    ranges,
+    ti_min,
+    ti_max,
     d_position,
     position_table,
     time_table,
@@ -699,6 +768,7 @@ def _dq_tile(
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     cols, k, v, s, sig, bucket, low, high = _query_tile(
         q,
@@ -708,6 +778,9 @@ def _dq_tile(
         K,
         V,
         ts,
+        ranges,
+        ti_min,
+        ti_max,
         position_table,
         time_table,
         n,
@@ -724,6 +797,7 @@ def _dq_tile(
         FAST,
         CLAMP,
         BLOCK_N,
+        RANGE_BLOCK,
     )
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if MASKED:
@@ -759,6 +833,8 @@ def _hstu_bwd_dq(
     d_time,
     offsets,
     timestamps,
+    ranges,
+    range_blocks,
     position_table,
     time_table,
     stride_qn,
@@ -785,6 +861,7 @@ def _hstu_bwd_dq(
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
@@ -800,6 +877,8 @@ def _hstu_bwd_dq(
     q = _rows(Q + start * stride_qn + head * stride_qh, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)
     do = _rows(dOut + start * stride_don + head * stride_doh, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)
     ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    ranges += 2 * seq * range_blocks
+    ti_min, ti_max = _time_range(ranges, first, BLOCK_M, RANGE_BLOCK)
     dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
     dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)
     inv_n = 1.0 / n.to(tl.float32)
@@ -816,6 +895,9 @@ def _hstu_bwd_dq(
             K,
             V,
             ts,
+            ranges,
+            ti_min,
+            ti_max,
             d_position,
             position_table,
             time_table,
@@ -838,6 +920,7 @@ def _hstu_bwd_dq(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            RANGE_BLOCK,
         )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
         dq, dtime = _dq_tile(
@@ -852,6 +935,9 @@ def _hstu_bwd_dq(
             K,
             V,
             ts,
+            ranges,
+            ti_min,
+            ti_max,
             d_position,
             position_table,
             time_table,
@@ -874,6 +960,7 @@ def _hstu_bwd_dq(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            RANGE_BLOCK,
         )
     _store_rows(
         dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
@@ -954,6 +1041,25 @@ def _check(q, k, v, offsets, timestamps, position, time):
         raise ValueError("the bias tables must be contiguous")
 
 
+def time_ranges(
+    timestamps: torch.Tensor, offsets: torch.Tensor, max_len: int, configs: dict[str, dict]
+) -> tuple[torch.Tensor, int]:
+    """The earliest and latest time of each block of tokens of each sequence (one small kernel), in blocks
+    as small as the kernels' smallest tile side, so that a tile's time range is the min and max of one or
+    a few blocks. Padded by a tile's worth of blocks past ``max_len``."""
+    tiles = [
+        size
+        for kind, config in configs.items()
+        if kind != "bias_grads"
+        for size in (config["BLOCK_M"], config["BLOCK_N"])
+    ]
+    block = min(tiles)
+    blocks = triton.cdiv(max(max_len, 1), block) + max(tiles) // block
+    ranges = torch.empty(len(offsets) - 1, blocks, 2, dtype=timestamps.dtype, device=timestamps.device)
+    _time_ranges[(blocks, len(offsets) - 1)](timestamps, offsets, ranges, blocks, RANGE_BLOCK=block)
+    return ranges, block
+
+
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[int, int, int]:
     return triton.cdiv(max(max_len, 1), block), len(offsets) - 1, heads
 
@@ -964,6 +1070,7 @@ class _HSTUAttention(torch.autograd.Function):
         sizes = _sizes(q, v, position, time, max_len)
         configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
         out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # rows outside every sequence stay zero
+        ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
         config = configs["fwd"]
         _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
             q,
@@ -972,6 +1079,8 @@ class _HSTUAttention(torch.autograd.Function):
             out,
             offsets,
             timestamps,
+            ranges,
+            ranges.shape[1],
             position,
             time,
             q.stride(0),
@@ -984,14 +1093,15 @@ class _HSTUAttention(torch.autograd.Function):
             out.stride(1),
             **sizes,
             **config,
+            RANGE_BLOCK=range_block,
         )
-        ctx.save_for_backward(q, k, v, offsets, timestamps, position, time)
-        ctx.max_len, ctx.sizes, ctx.configs = max_len, sizes, configs
+        ctx.save_for_backward(q, k, v, offsets, timestamps, position, time, ranges)
+        ctx.max_len, ctx.sizes, ctx.configs, ctx.range_block = max_len, sizes, configs, range_block
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, offsets, timestamps, position, time = ctx.saved_tensors
+        q, k, v, offsets, timestamps, position, time, ranges = ctx.saved_tensors
         do = grad if grad.stride(-1) == 1 else grad.contiguous()
         dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
@@ -999,6 +1109,8 @@ class _HSTUAttention(torch.autograd.Function):
         common = (
             offsets,
             timestamps,
+            ranges,
+            ranges.shape[1],
             position,
             time,
             q.stride(0),
@@ -1033,6 +1145,7 @@ class _HSTUAttention(torch.autograd.Function):
                 SKEW=skew,
                 TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())),
                 BIAS_GRADS=in_dq == (kind == "dq"),
+                RANGE_BLOCK=ctx.range_block,
             )
         return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
 
