@@ -39,14 +39,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _sigmoid(x, FAST: tl.constexpr):
-    if FAST:  # one MUFU op (tanh.approx, about 11 bits) instead of an exponential and a reciprocal
-        t = tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1
-        )
-        return 0.5 * t + 0.5
+def _silu(s, FAST: tl.constexpr):
+    """SiLU(s) = s sigmoid(s) and its derivative sigmoid(s) (1 + s (1 - sigmoid(s))). ``FAST``: from
+    t = tanh(s / 2) (one MUFU op, tanh.approx, about 11 bits, instead of an exponential and a reciprocal),
+    with sigmoid(s) = (1 + t) / 2: SiLU = h + h t and the derivative (1 + t) / 2 + h (1 - t^2) / 2 for
+    h = s / 2 (three and four FMA-unit ops)."""
+    if FAST:
+        h = 0.5 * s
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [h], dtype=tl.float32, is_pure=True, pack=1)
+        return h + h * t, (0.5 + 0.5 * t) + (0.5 * h) * (1.0 - t * t)
     else:
-        return 1.0 / (1.0 + tl.exp(tl.minimum(-x, 80.0)))  # exp(80) is finite in fp32: no overflow
+        sig = 1.0 / (1.0 + tl.exp(tl.minimum(-s, 80.0)))  # exp(80) is finite in fp32: no overflow
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
 
 
 @triton.jit
@@ -191,8 +195,8 @@ def _query_tile(
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, the [queries, keys]
-    scores (bias included) with their sigmoid, each pair's time bucket, and the tile's bucket range."""
+    """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, SiLU of the [queries,
+    keys] scores (bias included) and its derivative, each pair's time bucket, and the tile's bucket range."""
     cols = key + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
@@ -215,7 +219,8 @@ def _query_tile(
         CLAMP,
     )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
-    return cols, k, v, s, _sigmoid(s, FAST), bucket, low, high
+    p, dsilu = _silu(s, FAST)
+    return cols, k, v, p, dsilu, bucket, low, high
 
 
 @triton.jit
@@ -249,7 +254,7 @@ def _fwd_tile(
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    cols, k, v, s, sig, _, _, _ = _query_tile(
+    cols, k, v, p, _, _, _, _ = _query_tile(
         q,
         ts_i,
         rows,
@@ -278,7 +283,6 @@ def _fwd_tile(
         BLOCK_N,
         RANGE_BLOCK,
     )
-    p = s * sig
     if MASKED:
         p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
     return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -545,10 +549,9 @@ def _dkdv_tile(
         CLAMP,
     )
     s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
-    sig = _sigmoid(s, FAST)
-    p = s * sig
+    p, dsilu = _silu(s, FAST)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = dp * sig * (1.0 + s * (1.0 - sig))  # rows past the end have do = 0, so dp = ds = 0 there
+    ds = dp * dsilu  # rows past the end have do = 0, so dp = ds = 0 there
     if MASKED:
         causal = rows[None, :] >= cols[:, None]
         p = tl.where(causal, p, 0.0)
@@ -770,7 +773,7 @@ def _dq_tile(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    cols, k, v, s, sig, bucket, low, high = _query_tile(
+    cols, k, v, _, dsilu, bucket, low, high = _query_tile(
         q,
         ts_i,
         rows,
@@ -799,7 +802,7 @@ def _dq_tile(
         BLOCK_N,
         RANGE_BLOCK,
     )
-    ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * sig * (1.0 + s * (1.0 - sig))
+    ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * dsilu
     if MASKED:
         ds = tl.where(rows[:, None] >= cols[None, :], ds, 0.0)
     if BIAS_GRADS:
