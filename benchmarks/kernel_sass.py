@@ -1,0 +1,166 @@
+"""Compiles the fused HSTU attention kernels for an H100/H200 (sm_90) on any machine, GPU or not, and prints
+per kernel its registers per thread, stack (spills), shared memory, instruction count and the loops and
+branches of its SASS: how many instructions a tile costs, before any GPU time is spent on timing it.
+
+    pip install --target /tmp/triton36 --no-deps triton==3.6.0    # the GPU machine's Triton: the same code
+    PYTHONPATH=/tmp/triton36 python benchmarks/kernel_sass.py lightning_hstu/kernels/hstu_attention.py
+    PYTHONPATH=/tmp/triton36 python benchmarks/kernel_sass.py FILE --config "fwd:num_warps=8,maxnreg=128"
+
+The file is a copy of ``lightning_hstu/kernels/hstu_attention.py`` (as ``kernel_ab.py`` takes them). The
+launch is the bf16 one of a model with heads of 128: the kernel's own ``kernel_configs``, pointers and
+integer arguments aligned to 16 bytes (as Triton specialises them for the real tensors), no distance
+clamp. Triton's compiler and the ptxas it ships produce the same SASS as on the GPU machine when the
+Triton version is the same (3.6.0 there: checked against Nsight Compute's listing of the forward, 3864
+instructions both). Loops are the backward branches; each line gives the instructions between the
+branch and its target."""
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+POINTERS = {
+    "Q": "*bf16",
+    "K": "*bf16",
+    "V": "*bf16",
+    "Out": "*bf16",
+    "dOut": "*bf16",
+    "dQ": "*bf16",
+    "dK": "*bf16",
+    "dV": "*bf16",
+    "offsets": "*i64",
+    "timestamps": "*i64",
+    "ranges": "*i64",
+    "position_table": "*fp32",
+    "time_table": "*fp32",
+    "d_position": "*fp32",
+    "d_time": "*fp32",
+}
+KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    found = []
+    for line in sass.splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if match:
+            found.append((int(match.group(1), 16), match.group(2).strip()))
+    return found
+
+
+def branches(code: list[tuple[int, str]]) -> list[str]:
+    """Each branch with a target: its address, target and the instructions in between."""
+    addresses = [address for address, _ in code]
+    lines = []
+    for address, text in code:
+        if "BRA" not in text or "BRA.DIV" in text:
+            continue
+        target = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
+        if not target:
+            continue
+        target = int(target.group(1), 16)
+        if target == address:
+            continue
+        low, high = min(address, target), max(address, target)
+        span = sum(1 for a in addresses if low <= a < high)
+        kind = "loop back" if target < address else "skips"
+        lines.append(f"    {address:#07x} {kind} to {target:#07x}: {span} instructions")
+    return lines
+
+
+def opcode_counts(code: list[tuple[int, str]]) -> collections.Counter:
+    counts = collections.Counter()
+    for _, text in code:
+        tokens = text.split()
+        opcode = tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]
+        counts[opcode.split(".")[0]] += 1
+    return counts
+
+
+def compile_kernel(module, kind: str, config: dict, configs: dict):
+    fn = getattr(module, KERNELS[kind])
+    config = dict(config)
+    options = {key: config.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in config}
+    tiles = [c[side] for name, c in configs.items() if name != "bias_grads" for side in ("BLOCK_M", "BLOCK_N")]
+    constants = dict(
+        ATTENTION_DIM=128,
+        HIDDEN_DIM=128,
+        BLOCK_A=128,
+        BLOCK_D=128,
+        PRECISION="tf32",
+        FAST=True,
+        CLAMP=False,
+        RANGE_BLOCK=min(tiles),
+        SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+        TIME_BLOCK=64,
+        BIAS_GRADS=configs["bias_grads"] == kind,
+        **config,
+    )
+    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = POINTERS.get(name, "i32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    source = triton.compiler.ASTSource(fn=fn, constexprs=constants, signature=signature, attrs=attrs)
+    return triton.compile(source, target=target, options=backend.parse_options(options).__dict__)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("file", help="a copy of lightning_hstu/kernels/hstu_attention.py")
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--config", default="", help='overrides, e.g. "fwd:num_warps=8,maxnreg=128;dq:BLOCK_N=64"')
+    parser.add_argument("--dump", help="a folder for each kernel's SASS and Triton GPU IR")
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location("kernel_under_test", args.file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    configs = module.kernel_configs(128, 128, torch.bfloat16, torch.device("cuda"))
+    for item in filter(None, args.config.split(";")):
+        kind, settings = item.split(":")
+        for setting in settings.split(","):
+            key, value = setting.split("=")
+            configs[kind][key] = int(value)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    print(f"# triton {triton.__version__}, sm_90")
+    for kind in args.kernels:
+        compiled = compile_kernel(module, kind, configs[kind], configs)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True)
+            usage = subprocess.run(
+                [os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True
+            )
+        registers = re.search(r"REG:(\d+)", usage.stdout).group(1)
+        stack = re.search(r"STACK:(\d+)", usage.stdout).group(1)
+        code = instructions(sass.stdout)
+        print(
+            f"\n{kind} {configs[kind]}: {registers} registers, stack {stack} bytes, shared "
+            f"{compiled.metadata.shared} bytes, {len(code)} instructions"
+        )
+        print("    " + " ".join(f"{op} {n}" for op, n in opcode_counts(code).most_common(16)))
+        print("\n".join(branches(code)))
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"{kind}.sass"), "w") as f:
+                f.write(sass.stdout)
+            with open(os.path.join(args.dump, f"{kind}.ttgir"), "w") as f:
+                f.write(compiled.asm["ttgir"])
+
+
+if __name__ == "__main__":
+    main()
