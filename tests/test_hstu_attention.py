@@ -120,11 +120,11 @@ def test_time_buckets_are_exact_at_powers_of_two():
     assert time_bucket(gaps, 5).max() == 4  # capped at the last bucket
 
 
+@pytest.mark.parametrize("extra", [5, 40])  # 40: more rows than one pass of the zeroing programs covers
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device):
+def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device, extra):
     """A static token capacity: rows past offsets[-1] belong to no sequence."""
     q, k, v, offsets, times, _ = jagged_batch([7, 12], 2, 16, 16, 8, device)
-    extra = 5
     grown = [
         torch.cat([t.detach(), torch.randn(extra, *t.shape[1:], device=device)]).requires_grad_() for t in (q, k, v)
     ]

@@ -29,7 +29,8 @@ time sums stay in the program's registers (one per bucket) and are added once at
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
-capacity for CUDA graphs). Programs of blocks past a sequence's end exit at once, so the grid can be sized
+capacity for CUDA graphs); the programs of one more sequence index than the batch has write those zeros, so
+no output or gradient is filled beforehand. Programs of blocks past a sequence's end exit at once, so the grid can be sized
 by the longest sequence the model allows rather than by the batch's (no host sync).
 """
 
@@ -157,6 +158,17 @@ def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.c
         tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None])
     else:
         tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None] & (w < WIDTH)[None, :])
+
+
+@triton.jit
+def _zero_tail(base, offsets, tokens, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """For the programs of the grid's last sequence index (one past the batch's): zeroes the rows after the
+    last sequence (``offsets[-1]:tokens``, the capacity's padding) of a [tokens, WIDTH] view, ``ROWS`` rows
+    per step, the programs of the grid's first axis taking turns."""
+    step = tl.num_programs(0) * ROWS
+    for row in range(tl.load(offsets + tl.program_id(1)).to(tl.int32) + tl.program_id(0) * ROWS, tokens, step):
+        rows = (row + tl.arange(0, ROWS)).to(tl.int64)
+        _store_rows(base, rows, rows < tokens, stride, tl.zeros([ROWS, BLOCK], tl.float32), WIDTH, BLOCK)
 
 
 @triton.jit
@@ -295,6 +307,7 @@ def _hstu_fwd(
     V,
     Out,
     offsets,
+    tokens,
     timestamps,
     ranges,
     range_blocks,
@@ -323,6 +336,9 @@ def _hstu_fwd(
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most keys) start first
     seq, head = tl.program_id(1), tl.program_id(2)
+    if seq == tl.num_programs(1) - 1:
+        _zero_tail(Out + head * stride_oh, offsets, tokens, stride_on, HIDDEN_DIM, BLOCK_D, BLOCK_M)
+        return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
     if first >= n:
@@ -589,6 +605,7 @@ def _hstu_bwd_dkdv(
     d_position,
     d_time,
     offsets,
+    tokens,
     timestamps,
     ranges,
     range_blocks,
@@ -623,6 +640,10 @@ def _hstu_bwd_dkdv(
     RANGE_BLOCK: tl.constexpr,
 ):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
+    if seq == tl.num_programs(1) - 1:
+        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N)
+        _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N)
+        return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_N
     if first >= n:
@@ -835,6 +856,7 @@ def _hstu_bwd_dq(
     d_position,
     d_time,
     offsets,
+    tokens,
     timestamps,
     ranges,
     range_blocks,
@@ -868,6 +890,9 @@ def _hstu_bwd_dq(
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
+    if seq == tl.num_programs(1) - 1:
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M)
+        return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
     if first >= n:
@@ -1064,7 +1089,8 @@ def time_ranges(
 
 
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[int, int, int]:
-    return triton.cdiv(max(max_len, 1), block), len(offsets) - 1, heads
+    """Blocks of the longest sequence, the sequences and one more (the rows after the last sequence), heads."""
+    return triton.cdiv(max(max_len, 1), block), len(offsets), heads
 
 
 class _HSTUAttention(torch.autograd.Function):
@@ -1072,7 +1098,7 @@ class _HSTUAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len):
         sizes = _sizes(q, v, position, time, max_len)
         configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
-        out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # rows outside every sequence stay zero
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
         ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
         config = configs["fwd"]
         _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
@@ -1081,6 +1107,7 @@ class _HSTUAttention(torch.autograd.Function):
             v,
             out,
             offsets,
+            q.shape[0],
             timestamps,
             ranges,
             ranges.shape[1],
@@ -1106,11 +1133,12 @@ class _HSTUAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, offsets, timestamps, position, time, ranges = ctx.saved_tensors
         do = grad if grad.stride(-1) == 1 else grad.contiguous()
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
         d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
         common = (
             offsets,
+            q.shape[0],
             timestamps,
             ranges,
             ranges.shape[1],
