@@ -30,8 +30,8 @@ order varies from run to run: the bias tables' gradients are reproducible to fp3
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
 capacity for CUDA graphs); the programs of one more sequence index than the batch has write those zeros, so
-no output or gradient is filled beforehand. Programs of blocks past a sequence's end exit at once, so the grid can be sized
-by the longest sequence the model allows rather than by the batch's (no host sync).
+no output or gradient is filled beforehand. Programs of blocks past a sequence's end exit at once, so the
+grid can be sized by the longest sequence the model allows rather than by the batch's (no host sync).
 """
 
 import torch
@@ -77,7 +77,7 @@ def _time_ranges(timestamps, offsets, ranges, blocks, RANGE_BLOCK: tl.constexpr)
     start, n = _sequence(offsets, seq)
     index = block * RANGE_BLOCK + tl.arange(0, RANGE_BLOCK)
     ok = index < n
-    t = tl.load(timestamps + start + index, mask=ok, other=0)
+    t = tl.load(timestamps + start + index, mask=ok, other=0).to(tl.int64)
     out = ranges + 2 * (seq * blocks + block)
     tl.store(out, tl.min(tl.where(ok, t, 2**62)))
     tl.store(out + 1, tl.max(tl.where(ok, t, -(2**62))))
@@ -111,8 +111,10 @@ def _bias(
 ):
     """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket (``low`` and ``high``:
     the tile's bucket range). In a tile off the diagonal (not ``MASKED``) every distance i - j lies in
-    [1, num_positions) unless ``CLAMP``: the position entries are then read at addresses affine in i and j
-    (immediate offsets, no per-pair address arithmetic). Pairs with j > i are masked by the caller."""
+    [1, num_positions) unless ``CLAMP``, so no clamp is computed there. The times of one side of the tile
+    are in registers (``ts_known``); the other side's are read (``ts_pointers`` where ``ts_ok``) only when
+    the tile's gaps span several buckets (the gap's sign does not matter). Pairs with j > i are masked by
+    the caller."""
     distance = i - j
     if CLAMP:
         distance = tl.minimum(tl.maximum(distance, 0), num_positions - 1)
@@ -1083,7 +1085,7 @@ def time_ranges(
     ]
     block = min(tiles)
     blocks = triton.cdiv(max(max_len, 1), block) + max(tiles) // block
-    ranges = torch.empty(len(offsets) - 1, blocks, 2, dtype=timestamps.dtype, device=timestamps.device)
+    ranges = torch.empty(len(offsets) - 1, blocks, 2, dtype=torch.int64, device=timestamps.device)
     _time_ranges[(blocks, len(offsets) - 1)](timestamps, offsets, ranges, blocks, RANGE_BLOCK=block)
     return ranges, block
 
