@@ -71,7 +71,9 @@ PRESET_NOTES: Mapping[str, str] = {
     # legacy_none in the same run (2026-11-30; 2026-12-01); "2 GPUs" drives the engine directly on two H200
     # with the balanced shuffler (2026-11-30). Run-to-run noise on those machines is about +-20%.
     "legacy_none": "the reference: light 15.9; 22.1 ms/step, no threaded preset beats it reliably there (the step "
-    "is host-bound, threads share one GIL); 2 GPUs 27.2 ms, the shuffle serial with the step",
+    "is host-bound, threads share one GIL); with capture_graphs=True and on_nonfinite_loss='stop' 7.5 ms/step "
+    "in a process of its own against the plain loop's 11.7 (2026-12-01, night); 2 GPUs 27.2 ms, the shuffle "
+    "serial with the step",
     "default_d3": "light +9%; +5%",
     "by_stream_d3": "light +8% (2026-11-30)",
     "per_task_d3": "light +29%; +1% (and +17% driven directly): 14 threads take turns on the GIL every step; "
