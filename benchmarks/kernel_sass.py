@@ -16,7 +16,6 @@ branch and its target."""
 
 import argparse
 import collections
-import importlib.util
 import os
 import re
 import subprocess
@@ -24,6 +23,7 @@ import tempfile
 
 import torch
 import triton
+from kernel_ab import load
 from triton.backends.compiler import GPUTarget
 
 POINTERS = {
@@ -88,7 +88,6 @@ def compile_kernel(module, kind: str, config: dict, configs: dict):
     fn = getattr(module, KERNELS[kind])
     config = dict(config)
     options = {key: config.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in config}
-    tiles = [c[side] for name, c in configs.items() if name != "bias_grads" for side in ("BLOCK_M", "BLOCK_N")]
     constants = dict(
         ATTENTION_DIM=128,
         HIDDEN_DIM=128,
@@ -97,7 +96,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict):
         PRECISION="tf32",
         FAST=True,
         CLAMP=False,
-        RANGE_BLOCK=min(tiles),
+        RANGE_BLOCK=module.range_block(configs) if hasattr(module, "range_block") else None,  # older files: none
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         TIME_BLOCK=64,
         BIAS_GRADS=configs["bias_grads"] == kind,
@@ -124,9 +123,7 @@ def main():
     parser.add_argument("--config", default="", help='overrides, e.g. "fwd:num_warps=8,maxnreg=128;dq:BLOCK_N=64"')
     parser.add_argument("--dump", help="a folder for each kernel's SASS and Triton GPU IR")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("kernel_under_test", args.file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load(args.file)
     configs = module.kernel_configs(128, 128, torch.bfloat16, torch.device("cuda"))
     for item in filter(None, args.config.split(";")):
         kind, settings = item.split(":")

@@ -1071,20 +1071,23 @@ def _check(q, k, v, offsets, timestamps, position, time):
         raise ValueError("the bias tables must be contiguous")
 
 
+def _tile_sides(configs: dict[str, dict]) -> list[int]:
+    return [c[side] for kind, c in configs.items() if kind != "bias_grads" for side in ("BLOCK_M", "BLOCK_N")]
+
+
+def range_block(configs: dict[str, dict]) -> int:
+    """The tokens per time range: the kernels' smallest tile side, so that a tile's time range is the min and
+    max of one or a few ranges (the kernels' ``RANGE_BLOCK``)."""
+    return min(_tile_sides(configs))
+
+
 def time_ranges(
     timestamps: torch.Tensor, offsets: torch.Tensor, max_len: int, configs: dict[str, dict]
 ) -> tuple[torch.Tensor, int]:
-    """The earliest and latest time of each block of tokens of each sequence (one small kernel), in blocks
-    as small as the kernels' smallest tile side, so that a tile's time range is the min and max of one or
-    a few blocks. Padded by a tile's worth of blocks past ``max_len``."""
-    tiles = [
-        size
-        for kind, config in configs.items()
-        if kind != "bias_grads"
-        for size in (config["BLOCK_M"], config["BLOCK_N"])
-    ]
-    block = min(tiles)
-    blocks = triton.cdiv(max(max_len, 1), block) + max(tiles) // block
+    """The earliest and latest time of each block of ``range_block(configs)`` tokens of each sequence (one
+    small kernel), and that block size. Padded by a tile's worth of blocks past ``max_len``."""
+    block = range_block(configs)
+    blocks = triton.cdiv(max(max_len, 1), block) + max(_tile_sides(configs)) // block
     ranges = torch.empty(len(offsets) - 1, blocks, 2, dtype=torch.int64, device=timestamps.device)
     _time_ranges[(blocks, len(offsets) - 1)](timestamps, offsets, ranges, blocks, RANGE_BLOCK=block)
     return ranges, block
