@@ -4,7 +4,11 @@ Every task body is trivial (it writes its slots), so what is measured is the eng
 step barrier, thread hand-offs, waits, tickets and records. The baseline calls the same bodies in plan
 order in a plain Python loop. Prints a table; the figure to read is "overhead us/task".
 
-    python benchmarks/engine_overhead.py [--steps 2000] [--repeats 5]
+    python benchmarks/engine_overhead.py [--steps 2000] [--repeats 5] [--device cuda] [--presets ...]
+
+With ``--device cuda`` the engine also does its CUDA work per task (each task under its plan stream,
+events where another stream waits or where the task is a collective, waits and ``record_stream`` on
+cross-stream edges); the bodies still launch nothing.
 """
 
 import argparse
@@ -38,8 +42,8 @@ def plain_loop_s(plan, steps):
     return time.perf_counter() - start
 
 
-def engine_s(plan, steps):
-    with Engine(plan, trivial_bodies(plan)) as engine:
+def engine_s(plan, steps, device=None):
+    with Engine(plan, trivial_bodies(plan), device=device) as engine:
         engine.run(range(50))  # warm-up: threads started, templates cached
         start = time.perf_counter()
         engine.run(range(steps))
@@ -50,22 +54,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default=None, help="the engine's device (cuda: its stream and event work)")
+    parser.add_argument("--presets", nargs="+", default=PRESET_NAMES, choices=PRESET_NAMES)
     args = parser.parse_args()
     print(
         f"# {platform.node()}: {platform.processor() or platform.machine()}, "
         f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
     )
-    print(f"# {args.steps} steps per run, median of {args.repeats} runs (spread = max - min)")
+    print(
+        f"# {args.steps} steps per run, median of {args.repeats} runs (spread = max - min), "
+        f"device {args.device or 'none'}"
+    )
     header = (
         f"{'preset':<24} {'threads':>7} {'plain us/step':>13} {'engine us/step':>14} {'spread':>7} "
         f"{'overhead us/task':>16}"
     )
     print(header)
     print("-" * len(header))
-    for name in PRESET_NAMES:
+    for name in args.presets:
         plan = get_plan(name)
         plain = statistics.median(plain_loop_s(plan, args.steps) for _ in range(args.repeats))
-        runs = [engine_s(plan, args.steps) for _ in range(args.repeats)]
+        runs = [engine_s(plan, args.steps, args.device) for _ in range(args.repeats)]
         engine = statistics.median(runs)
         per_step = 1e6 / args.steps
         overhead = (engine - plain) * per_step / len(plan.tasks)

@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--preset", default="default_d6")
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--lightning", action="store_true", help="Lightning's own loop (engine=False)")
+    parser.add_argument("--on-nonfinite-loss", default="raise", help="HSTURecommender's on_nonfinite_loss")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--every", type=int, default=100)
@@ -64,7 +65,13 @@ def main():
     num_items = 1000 if args.small else 1_000_000
     batches = make_batches(args.batches, 32, sizes["max_len"], num_items, 16)
     total = args.warmup + args.steps
-    model = HSTURecommender(**model_sizes(sizes), sparse_optimizer="sgd", lr=1e-4, balance_batches=True)
+    model = HSTURecommender(
+        **model_sizes(sizes),
+        sparse_optimizer="sgd",
+        lr=1e-4,
+        balance_batches=True,
+        on_nonfinite_loss=args.on_nonfinite_loss,
+    )
     strategy = (
         HSTUPipelineStrategy(engine=False)
         if args.lightning

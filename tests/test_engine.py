@@ -10,6 +10,7 @@ from tracing import TracingWorkload
 
 from lightning_hstu import PRESET_NAMES, SKIPPED, Engine, EngineError, PlanError, get_plan
 from lightning_hstu.engine import format_summary, summarize
+from lightning_hstu.engine.schedule import schedule
 
 
 def run_workload(plan, batches, **kwargs):
@@ -160,3 +161,16 @@ def test_a_run_can_number_its_batches_from_a_resume_point():
     assert results[0].step == 7 - (plan.depth - 1)
     assert sorted({r.batch for r in workload.runs}) == [7, 8, 9, 10]
     assert all(r.batch == r.step + plan.task(r.task).lookahead for r in workload.runs)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_a_task_records_a_cuda_event_only_where_one_is_read(name):
+    """Each event costs the recording thread's host time, every task and step: a task records one where a
+    task on another stream consumes its results (that stream waits for it) or where it is a collective
+    (a hung step's report asks whose collective work is unfinished), and nowhere else."""
+    plan = get_plan(name)
+    scheduled = {s.task.name: s for tasks in schedule(plan, {t.name: None for t in plan.tasks}).values() for s in tasks}
+    read = {e.producer for e in plan.edges if plan.task(e.producer).stream != plan.task(e.consumer).stream}
+    for task in plan.tasks:
+        assert scheduled[task.name].records_event == (task.name in read or task.collective), task.name
+    assert not scheduled["forward"].records_event  # consumed on its own stream only, in every preset

@@ -645,7 +645,8 @@ class Engine:
                 for slot in edge.slots:
                     streams.keep_alive(entry.slots.get(slot), task.stream)
             result = self._body(scheduled, entry, step, thread)
-            entry.events[task.name] = streams.record(task.stream)
+            if scheduled.records_event:
+                entry.events[task.name] = streams.record(task.stream)
         return result
 
     def _body(self, scheduled: ScheduledTask, entry: RingEntry, step: _Step, thread: str) -> Any:

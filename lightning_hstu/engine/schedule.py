@@ -2,9 +2,12 @@
 
 Host waits come from ``Plan.wait_edges``; CUDA event waits from every edge whose two tasks use
 different streams (also across steps: the host barrier does not wait for the GPU); tickets from
-``Plan.ticket_order``. Nothing here re-derives a dependency rule of its own.
+``Plan.ticket_order``. Nothing here re-derives a dependency rule of its own. A task records a CUDA event
+only where one is read: a consumer on another stream waits for it, or the task is a collective (a hung
+step's report says whose collective work has not completed).
 """
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +36,20 @@ class ScheduledTask:
     host_waits: tuple[str, ...]
     """Producers on other threads that must finish this step's run first (the plan's wait edges)."""
     stream_inputs: tuple[StreamInput, ...]
+    records_event: bool
+    """Whether the task records an event on its stream after its body: a task on another stream consumes
+    its results (``stream_inputs``), or it is a collective."""
 
 
 def schedule(plan: Plan, bodies: Mapping[str, Body | None]) -> dict[str, tuple[ScheduledTask, ...]]:
     """Thread name -> its tasks in run order, each with its body and derived waits."""
     _check_bodies(plan, bodies)
     scheduled = {t.name: _schedule_task(plan, t, bodies[t.name]) for t in plan.tasks}
+    waited_on = {edge.producer for s in scheduled.values() for edge in s.stream_inputs}
+    scheduled = {
+        name: dataclasses.replace(s, records_event=name in waited_on or s.task.collective)
+        for name, s in scheduled.items()
+    }
     return {thread: tuple(scheduled[n] for n in names) for thread, names in plan.threads.items()}
 
 
@@ -49,7 +60,7 @@ def _schedule_task(plan: Plan, task: PlanTask, body: Body | None) -> ScheduledTa
         for e in plan.edges
         if e.consumer == task.name and plan.task(e.producer).stream != task.stream
     )
-    return ScheduledTask(task, body, host_waits, stream_inputs)
+    return ScheduledTask(task, body, host_waits, stream_inputs, records_event=True)
 
 
 def _check_bodies(plan: Plan, bodies: Mapping[str, Body | None]) -> None:

@@ -6,6 +6,7 @@ itself (``enter_thread``) and each task runs under its own stream (``use``).
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any
 
 from ..plan import Stream
@@ -32,6 +33,7 @@ class CudaStreams:
         import torch
 
         self._torch = torch
+        self._local = threading.local()  # per thread: the plan streams that are its current stream
         device = torch.device(device)
         # Workers call set_device, which needs an index: "cuda" means the caller's current device.
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
@@ -44,11 +46,18 @@ class CudaStreams:
 
     def enter_thread(self) -> None:
         self._torch.cuda.set_device(self.device)
+        current = self._torch.cuda.current_stream(self.device)
+        self._local.current = frozenset(s for s, stream in self._streams.items() if stream == current)
 
     def stream(self, which: Stream) -> Any:
         return self._streams[which]
 
     def use(self, which: Stream) -> contextlib.AbstractContextManager:
+        """Makes ``which`` the thread's current stream for a task; nothing to do where it already is the
+        stream the thread entered with (a task's body leaves the current stream as it found it, as a
+        ``with torch.cuda.stream(...)`` block does)."""
+        if which in getattr(self._local, "current", ()):
+            return contextlib.nullcontext()
         return self._torch.cuda.stream(self._streams[which])
 
     def record(self, which: Stream) -> Any:
