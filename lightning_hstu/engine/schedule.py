@@ -7,12 +7,11 @@ only where one is read: a consumer on another stream waits for it, or the task i
 step's report says whose collective work has not completed).
 """
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..plan import EdgeKind, Plan, PlanError, PlanTask
+from ..plan import Edge, EdgeKind, Plan, PlanError, PlanTask
 
 Body = Callable[[Any], Any]
 
@@ -44,23 +43,25 @@ class ScheduledTask:
 def schedule(plan: Plan, bodies: Mapping[str, Body | None]) -> dict[str, tuple[ScheduledTask, ...]]:
     """Thread name -> its tasks in run order, each with its body and derived waits."""
     _check_bodies(plan, bodies)
-    scheduled = {t.name: _schedule_task(plan, t, bodies[t.name]) for t in plan.tasks}
-    waited_on = {edge.producer for s in scheduled.values() for edge in s.stream_inputs}
+    waited_on = {e.producer for e in plan.edges if _crosses_streams(plan, e)}
     scheduled = {
-        name: dataclasses.replace(s, records_event=name in waited_on or s.task.collective)
-        for name, s in scheduled.items()
+        t.name: _schedule_task(plan, t, bodies[t.name], t.name in waited_on or t.collective) for t in plan.tasks
     }
     return {thread: tuple(scheduled[n] for n in names) for thread, names in plan.threads.items()}
 
 
-def _schedule_task(plan: Plan, task: PlanTask, body: Body | None) -> ScheduledTask:
+def _crosses_streams(plan: Plan, edge: Edge) -> bool:
+    return plan.task(edge.producer).stream != plan.task(edge.consumer).stream
+
+
+def _schedule_task(plan: Plan, task: PlanTask, body: Body | None, records_event: bool) -> ScheduledTask:
     host_waits = tuple(p for p, c in plan.sorted_wait_edges() if c == task.name)
     stream_inputs = tuple(
         StreamInput(e.producer, e.kind == EdgeKind.ORD, plan.task(e.producer).lookahead, e.slots)
         for e in plan.edges
-        if e.consumer == task.name and plan.task(e.producer).stream != task.stream
+        if e.consumer == task.name and _crosses_streams(plan, e)
     )
-    return ScheduledTask(task, body, host_waits, stream_inputs, records_event=True)
+    return ScheduledTask(task, body, host_waits, stream_inputs, records_event)
 
 
 def _check_bodies(plan: Plan, bodies: Mapping[str, Body | None]) -> None:
