@@ -196,6 +196,44 @@ def test_ids_looked_up_in_small_bags_get_the_rows_of_their_histories(tmp_path):
         assert all(rows_equal.values()) and all(ids_equal.values()), (rows_equal, ids_equal)
 
 
+def _one_rank_tables(rank, world):
+    """The tables as the model shards them on one rank (the default), their state loaded into row-wise
+    tables, and a lookup through each."""
+    from torchrec.distributed.types import ShardingType
+
+    data = small_data()
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    tables = embedding_tables(SMALL_MODEL["embedding_dim"], data.num_items, data.num_users, data.num_actions)
+    torch.manual_seed(0)
+    default = ShardedEmbeddings(tables, torch.device("cpu"))
+    row_wise = ShardedEmbeddings(tables, torch.device("cpu"), sharding_type=ShardingType.ROW_WISE)
+    state = default.state_dict()
+    shards = {k: [(m.shard_offsets, m.shard_sizes) for m in v.metadata().shards_metadata] for k, v in state.items()}
+    row_wise_shards = {
+        k: [(m.shard_offsets, m.shard_sizes) for m in v.metadata().shards_metadata]
+        for k, v in row_wise.state_dict().items()
+    }
+    row_wise.load_state_dict(state)
+    features = batch.features.split([4, len(batch.features.keys()) - 4])[0]
+    with torch.no_grad():
+        a, b = default(features), row_wise(features)
+    return (
+        sorted(default.sharded._sharding_type_to_sharding),
+        shards == row_wise_shards,
+        all(torch.equal(a[k].values(), b[k].values()) for k in features.keys()),
+    )
+
+
+def test_on_one_rank_the_tables_are_one_shard_each_as_row_wise_sharding_gives(tmp_path):
+    """On one rank the tables are sharded table-wise (no row-wise bucketize of every id before the lookup):
+    the same one shard per table as row-wise sharding over one rank, so a checkpoint is the same either
+    way and loads into row-wise tables with the same rows."""
+    ((kinds, same_shards, same_rows),) = run_on_ranks(_one_rank_tables, tmp_path, world=1)
+    assert kinds == ["table_wise"]
+    assert same_shards and same_rows
+
+
 def test_the_synthetic_benchmark_runs_every_task_on_two_ranks(tmp_path):
     env = launch_env()
     script = Path(sys.executable).parent / "lightning-hstu"
