@@ -2,10 +2,11 @@
 on one GPU for long enough to attach a sampling profiler to it, and says when the steady state starts:
 
     python benchmarks/profile_user_path.py --workload light --preset default_d6 --graphs --steps 1500 &
-    # when the file named by --ready appears: py-spy record --pid $! --threads --format raw --duration 5 ...
+    # when the file named by --ready appears: py-spy record --pid $(cat /tmp/profile_ready) --threads ...
 
-The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows. Without
-a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes."""
+The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows;
+``--plain`` runs its plain loop instead (no Trainer), so that each mode can be timed alone in a process.
+Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes."""
 
 import argparse
 import os
@@ -15,7 +16,18 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from hstu_pipelines import SMALL, WORKLOADS, _Batches, cycled, make_batches, model_sizes, user_path_trainer
+from hstu_pipelines import (
+    SMALL,
+    WORKLOADS,
+    _Batches,
+    build_model,
+    cycled,
+    make_batches,
+    model_sizes,
+    user_path_trainer,
+)
+
+from hstu_baselines import plain_step
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.hstu import HSTURecommender
@@ -47,6 +59,7 @@ def main():
     parser.add_argument("--preset", default="default_d6")
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--lightning", action="store_true", help="Lightning's own loop (engine=False)")
+    parser.add_argument("--plain", action="store_true", help="the benchmark's plain PyTorch loop, no Trainer")
     parser.add_argument("--on-nonfinite-loss", default="raise", help="HSTURecommender's on_nonfinite_loss")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1500)
@@ -65,6 +78,10 @@ def main():
     num_items = 1000 if args.small else 1_000_000
     batches = make_batches(args.batches, 32, sizes["max_len"], num_items, 16)
     total = args.warmup + args.steps
+    if args.plain:
+        _plain_loop(sizes, device, num_items, cycled(batches, total), _Marks(args.warmup, args.every, args.ready))
+        dist.destroy_process_group()
+        return
     model = HSTURecommender(
         **model_sizes(sizes),
         sparse_optimizer="sgd",
@@ -80,6 +97,17 @@ def main():
     trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready)])
     trainer.fit(model, _Batches(cycled(batches, total), num_items))
     dist.destroy_process_group()
+
+
+def _plain_loop(sizes, device, num_items, batches, marks):
+    """``hstu_pipelines.py``'s plain loop (same model, optimizer and autocast) over ``batches``, timed by
+    ``marks`` as the Trainer's steps are."""
+    model = build_model(sizes, device, num_items)
+    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    autocast = "cuda" if device.type == "cuda" else None
+    for index, batch in enumerate(batches):
+        marks.on_train_batch_start(None, None, batch, index)
+        plain_step(model, optimizer, batch, autocast=autocast)
 
 
 if __name__ == "__main__":
