@@ -24,10 +24,9 @@ from hstu_pipelines import (
     cycled,
     make_batches,
     model_sizes,
+    run_plain,
     user_path_trainer,
 )
-
-from hstu_baselines import plain_step
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.models.hstu import HSTURecommender
@@ -100,14 +99,17 @@ def main():
 
 
 def _plain_loop(sizes, device, num_items, batches, marks):
-    """``hstu_pipelines.py``'s plain loop (same model, optimizer and autocast) over ``batches``, timed by
-    ``marks`` as the Trainer's steps are."""
+    """``hstu_pipelines.py``'s plain loop (``run_plain``: same model, optimizer and autocast) over
+    ``batches``, timed by ``marks`` as the Trainer's steps are."""
     model = build_model(sizes, device, num_items)
     optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
-    autocast = "cuda" if device.type == "cuda" else None
+    run_plain(model, optimizer, "cuda" if device.type == "cuda" else None)(_marked(batches, marks))
+
+
+def _marked(batches, marks):
     for index, batch in enumerate(batches):
         marks.on_train_batch_start(None, None, batch, index)
-        plain_step(model, optimizer, batch, autocast=autocast)
+        yield batch
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from small_hstu import SMALL_MODEL, small_data
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
-from lightning_hstu.hstu.step import global_token_loss, in_bags
+from lightning_hstu.hstu.step import global_token_loss, in_bags, sparse_features
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
@@ -208,21 +208,24 @@ def _one_rank_tables(rank, world):
     torch.manual_seed(0)
     default = ShardedEmbeddings(tables, torch.device("cpu"))
     row_wise = ShardedEmbeddings(tables, torch.device("cpu"), sharding_type=ShardingType.ROW_WISE)
-    state = default.state_dict()
-    shards = {k: [(m.shard_offsets, m.shard_sizes) for m in v.metadata().shards_metadata] for k, v in state.items()}
-    row_wise_shards = {
-        k: [(m.shard_offsets, m.shard_sizes) for m in v.metadata().shards_metadata]
-        for k, v in row_wise.state_dict().items()
-    }
-    row_wise.load_state_dict(state)
-    features = batch.features.split([4, len(batch.features.keys()) - 4])[0]
+    same_shards = _shard_layout(default) == _shard_layout(row_wise)
+    row_wise.load_state_dict(default.state_dict())
+    features = sparse_features(batch)
     with torch.no_grad():
         a, b = default(features), row_wise(features)
     return (
         sorted(default.sharded._sharding_type_to_sharding),
-        shards == row_wise_shards,
+        same_shards,
         all(torch.equal(a[k].values(), b[k].values()) for k in features.keys()),
     )
+
+
+def _shard_layout(embeddings):
+    """Each table's shards: offsets and sizes."""
+    return {
+        key: [(m.shard_offsets, m.shard_sizes) for m in value.metadata().shards_metadata]
+        for key, value in embeddings.state_dict().items()
+    }
 
 
 def test_on_one_rank_the_tables_are_one_shard_each_as_row_wise_sharding_gives(tmp_path):
