@@ -94,12 +94,38 @@ def _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets):
 
 
 @triton.jit
+def _read(pointers, FAST: tl.constexpr):
+    """The fp32 values at a tensor of pointers into a read-only table, in the layout the caller computes
+    in. ``tl.load`` gets a layout of its own from Triton's coalescing pass, which for these gathers meant a
+    round trip through shared memory, with a barrier, at every tile to reach the matrix product's layout;
+    an elementwise load in inline PTX (``FAST``: compiled for a GPU) takes its operand's."""
+    if FAST:
+        values = tl.inline_asm_elementwise(
+            "ld.global.nc.f32 $0, [$1];", "=r,l", [pointers], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        values = tl.load(pointers)
+    return values
+
+
+@triton.jit
+def _read_times(pointers, FAST: tl.constexpr):
+    """``_read`` for the int64 timestamps."""
+    if FAST:
+        values = tl.inline_asm_elementwise(
+            "ld.global.nc.b64 $0, [$1];", "=l,l", [pointers], dtype=tl.int64, is_pure=True, pack=1
+        )
+    else:
+        values = tl.load(pointers)
+    return values
+
+
+@triton.jit
 def _bias(
-    i,
-    j,
+    offset,
+    local,
     ts_known,
     ts_pointers,
-    ts_ok,
     low,
     high,
     position_table,
@@ -108,25 +134,27 @@ def _bias(
     num_buckets,
     MASKED: tl.constexpr,
     CLAMP: tl.constexpr,
+    FAST: tl.constexpr,
 ):
-    """rab of the pairs (i, j), broadcast to a tile, and each pair's time bucket (``low`` and ``high``:
-    the tile's bucket range). In a tile off the diagonal (not ``MASKED``) every distance i - j lies in
-    [1, num_positions) unless ``CLAMP``, so no clamp is computed there. The times of one side of the tile
-    are in registers (``ts_known``); the other side's are read (``ts_pointers`` where ``ts_ok``) only when
-    the tile's gaps span several buckets (the gap's sign does not matter). Pairs with j > i are masked by
-    the caller."""
-    distance = i - j
+    """rab of a tile's pairs and each pair's time bucket (``low`` and ``high``: the tile's bucket range).
+    A pair's distance i - j is ``offset`` (the tile's, a scalar) plus ``local`` (its place in the tile, the
+    same tensor for every tile): off the diagonal (not ``MASKED``) every distance lies in [1, num_positions)
+    unless ``CLAMP``, so the table is read at one address per tile plus constant offsets. The times of one
+    side of the tile are in registers (``ts_known``); the other side's are read (``ts_pointers``, valid
+    addresses for every pair) only when the tile's gaps span several buckets (the gap's sign does not
+    matter). Pairs with j > i are masked by the caller."""
     if CLAMP:
-        distance = tl.minimum(tl.maximum(distance, 0), num_positions - 1)
+        position = _read(position_table + tl.minimum(tl.maximum(offset + local, 0), num_positions - 1), FAST)
     elif MASKED:
-        distance = tl.maximum(distance, 0)
-    position = tl.load(position_table + distance)
+        position = _read(position_table + tl.maximum(offset + local, 0), FAST)
+    else:
+        position = _read((position_table + offset) + local, FAST)
     if low == high:  # one bucket for the whole tile
         bias = position + tl.load(time_table + low)
         bucket = tl.full(position.shape, 0, tl.int32) + low
     else:
-        bucket = _bucket(ts_known - tl.load(ts_pointers, mask=ts_ok, other=0), num_buckets)
-        bias = position + tl.load(time_table + bucket)
+        bucket = _bucket(ts_known - _read_times(ts_pointers, FAST), num_buckets)
+        bias = position + _read(time_table + bucket, FAST)
     return bias, bucket
 
 
@@ -183,7 +211,7 @@ def _sequence(offsets, seq):
 def _query_tile(
     q,
     ts_i,
-    rows,
+    first,
     key,
     K,
     V,
@@ -206,11 +234,13 @@ def _query_tile(
     PRECISION: tl.constexpr,
     FAST: tl.constexpr,
     CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """For a block of query rows, the keys ``key:key + BLOCK_N``: the keys, the values, SiLU of the [queries,
-    keys] scores (bias included) and its derivative, each pair's time bucket, and the tile's bucket range."""
+    """For the query rows ``first:first + BLOCK_M``, the keys ``key:key + BLOCK_N``: the keys, the values,
+    SiLU of the [queries, keys] scores (bias included) and its derivative, each pair's time bucket, and the
+    tile's bucket range."""
     cols = key + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
@@ -218,11 +248,10 @@ def _query_tile(
     tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
-        rows[:, None],
-        cols[None, :],
+        first - key,
+        tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :],
         ts_i[:, None],
-        (ts + cols)[None, :],
-        col_ok[None, :],
+        (ts + tl.minimum(cols, n - 1))[None, :],
         low,
         high,
         position_table,
@@ -231,6 +260,7 @@ def _query_tile(
         num_buckets,
         MASKED,
         CLAMP,
+        FAST,
     )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     p, dsilu = _silu(s, FAST)
@@ -243,6 +273,7 @@ def _fwd_tile(
     q,
     ts_i,
     rows,
+    first,
     key,
     K,
     V,
@@ -265,13 +296,14 @@ def _fwd_tile(
     PRECISION: tl.constexpr,
     FAST: tl.constexpr,
     CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
     cols, k, v, p, _, _, _, _ = _query_tile(
         q,
         ts_i,
-        rows,
+        first,
         key,
         K,
         V,
@@ -294,6 +326,7 @@ def _fwd_tile(
         PRECISION,
         FAST,
         CLAMP,
+        BLOCK_M,
         BLOCK_N,
         RANGE_BLOCK,
     )
@@ -362,6 +395,7 @@ def _hstu_fwd(
             q,
             ts_i,
             rows,
+            first,
             key,
             K,
             V,
@@ -384,6 +418,7 @@ def _hstu_fwd(
             PRECISION,
             FAST,
             CLAMP,
+            BLOCK_M,
             BLOCK_N,
             RANGE_BLOCK,
         )
@@ -393,6 +428,7 @@ def _hstu_fwd(
             q,
             ts_i,
             rows,
+            first,
             key,
             K,
             V,
@@ -415,6 +451,7 @@ def _hstu_fwd(
             PRECISION,
             FAST,
             CLAMP,
+            BLOCK_M,
             BLOCK_N,
             RANGE_BLOCK,
         )
@@ -552,11 +589,10 @@ def _dkdv_tile(
     ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
-        rows[None, :],
-        cols[:, None],
+        row - first,
+        tl.arange(0, BLOCK_M)[None, :] - tl.arange(0, BLOCK_N)[:, None],
         ts_j[:, None],
-        (ts + rows)[None, :],
-        row_ok[None, :],
+        (ts + tl.minimum(rows, n - 1))[None, :],
         low,
         high,
         position_table,
@@ -565,6 +601,7 @@ def _dkdv_tile(
         num_buckets,
         MASKED,
         CLAMP,
+        FAST,
     )
     s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
     p, dsilu = _silu(s, FAST)
@@ -799,7 +836,7 @@ def _dq_tile(
     cols, k, v, _, dsilu, bucket, low, high = _query_tile(
         q,
         ts_i,
-        rows,
+        first,
         key,
         K,
         V,
@@ -822,6 +859,7 @@ def _dq_tile(
         PRECISION,
         FAST,
         CLAMP,
+        BLOCK_M,
         BLOCK_N,
         RANGE_BLOCK,
     )
@@ -1015,7 +1053,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "bias_grads": "dq",
         }
     return {
-        "fwd": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168),  # 3 programs per SM
         "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
         "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
         "bias_grads": "dq",
@@ -1044,7 +1082,7 @@ def _sizes(q: torch.Tensor, v: torch.Tensor, position: torch.Tensor, time: torch
         num_positions=position.numel(),
         num_buckets=time.numel(),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST=q.dtype != torch.float32 and q.is_cuda,  # approximate sigmoid for 16-bit inputs only
+        FAST=q.dtype != torch.float32 and q.is_cuda,  # 16-bit on a GPU: approximate sigmoid, tables read in PTX
         CLAMP=max_len > position.numel(),
     )  # distances can pass the position table's last entry
 
