@@ -14,6 +14,9 @@ of scores in registers and reads the bias tables (a few kB) where it needs them.
 fall in one time bucket (its time bias then one number) is decided from the time ranges of its query and
 key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
 tiles whose gaps span several buckets read their timestamps.
+The forward reads each tile's keys and values by TMA (descriptors of the [tokens, heads, dim] tensors); the
+bias tables are read in the matrix product's register layout (loads in inline PTX), not through shared
+memory.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
@@ -37,6 +40,7 @@ grid can be sized by the longest sequence the model allows rather than by the ba
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
@@ -210,11 +214,10 @@ def _sequence(offsets, seq):
 @triton.jit
 def _query_tile(
     q,
+    k,
     ts_i,
     first,
     key,
-    K,
-    V,
     ts,
     ranges,
     ti_min,
@@ -222,14 +225,8 @@ def _query_tile(
     position_table,
     time_table,
     n,
-    stride_kn,
-    stride_vn,
     num_positions,
     num_buckets,
-    ATTENTION_DIM: tl.constexpr,
-    HIDDEN_DIM: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
     PRECISION: tl.constexpr,
     FAST: tl.constexpr,
@@ -238,13 +235,10 @@ def _query_tile(
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """For the query rows ``first:first + BLOCK_M``, the keys ``key:key + BLOCK_N``: the keys, the values,
-    SiLU of the [queries, keys] scores (bias included) and its derivative, each pair's time bucket, and the
-    tile's bucket range."""
+    """For the query rows ``first:first + BLOCK_M`` and the keys ``k`` (``key:key + BLOCK_N``): SiLU of the
+    [queries, keys] scores (bias included) and its derivative, each pair's time bucket, and the tile's
+    bucket range."""
     cols = key + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
-    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
@@ -264,7 +258,7 @@ def _query_tile(
     )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     p, dsilu = _silu(s, FAST)
-    return cols, k, v, p, dsilu, bucket, low, high
+    return p, dsilu, bucket, low, high
 
 
 @triton.jit
@@ -277,6 +271,8 @@ def _fwd_tile(
     key,
     K,
     V,
+    start,
+    head,
     ts,
     ranges,
     ti_min,
@@ -284,12 +280,8 @@ def _fwd_tile(
     position_table,
     time_table,
     n,
-    stride_kn,
-    stride_vn,
     num_positions,
     num_buckets,
-    ATTENTION_DIM: tl.constexpr,
-    HIDDEN_DIM: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
@@ -300,13 +292,17 @@ def _fwd_tile(
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    cols, k, v, p, _, _, _, _ = _query_tile(
+    """One [queries, keys] tile of the forward; the keys and values arrive by TMA (``K`` and ``V`` are
+    descriptors of the [tokens, heads, dim] tensors; rows past the sequence's end belong to the next one or
+    are zero past the tensor's, and their pairs are masked)."""
+    k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
+    v = tl.reshape(V.load([start + key, head, 0]), [BLOCK_N, BLOCK_D])
+    p, _, _, _, _ = _query_tile(
         q,
+        k,
         ts_i,
         first,
         key,
-        K,
-        V,
         ts,
         ranges,
         ti_min,
@@ -314,14 +310,8 @@ def _fwd_tile(
         position_table,
         time_table,
         n,
-        stride_kn,
-        stride_vn,
         num_positions,
         num_buckets,
-        ATTENTION_DIM,
-        HIDDEN_DIM,
-        BLOCK_A,
-        BLOCK_D,
         MASKED,
         PRECISION,
         FAST,
@@ -331,7 +321,7 @@ def _fwd_tile(
         RANGE_BLOCK,
     )
     if MASKED:
-        p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
+        p = tl.where(rows[:, None] >= (key + tl.arange(0, BLOCK_N))[None, :], p, 0.0)
     return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
@@ -350,10 +340,6 @@ def _hstu_fwd(
     time_table,
     stride_qn,
     stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
     stride_on,
     stride_oh,
     num_positions,
@@ -379,8 +365,6 @@ def _hstu_fwd(
     if first >= n:
         return
     Q += start * stride_qn + head * stride_qh
-    K += start * stride_kn + head * stride_kh
-    V += start * stride_vn + head * stride_vh
     ts = timestamps + start
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -399,6 +383,8 @@ def _hstu_fwd(
             key,
             K,
             V,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             ti_min,
@@ -406,12 +392,8 @@ def _hstu_fwd(
             position_table,
             time_table,
             n,
-            stride_kn,
-            stride_vn,
             num_positions,
             num_buckets,
-            ATTENTION_DIM,
-            HIDDEN_DIM,
             BLOCK_A,
             BLOCK_D,
             False,
@@ -432,6 +414,8 @@ def _hstu_fwd(
             key,
             K,
             V,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             ti_min,
@@ -439,12 +423,8 @@ def _hstu_fwd(
             position_table,
             time_table,
             n,
-            stride_kn,
-            stride_vn,
             num_positions,
             num_buckets,
-            ATTENTION_DIM,
-            HIDDEN_DIM,
             BLOCK_A,
             BLOCK_D,
             True,
@@ -833,13 +813,16 @@ def _dq_tile(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    cols, k, v, _, dsilu, bucket, low, high = _query_tile(
+    cols = key + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
+    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
+    _, dsilu, bucket, low, high = _query_tile(
         q,
+        k,
         ts_i,
         first,
         key,
-        K,
-        V,
         ts,
         ranges,
         ti_min,
@@ -847,14 +830,8 @@ def _dq_tile(
         position_table,
         time_table,
         n,
-        stride_kn,
-        stride_vn,
         num_positions,
         num_buckets,
-        ATTENTION_DIM,
-        HIDDEN_DIM,
-        BLOCK_A,
-        BLOCK_D,
         MASKED,
         PRECISION,
         FAST,
@@ -1136,6 +1113,16 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[
     return triton.cdiv(max(max_len, 1), block), len(offsets), heads
 
 
+def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
+    """A TMA descriptor of a [tokens, heads, dim] tensor that loads ``rows`` tokens of one head, ``width``
+    wide (zeros past ``dim``). TMA needs a 16-byte aligned base and strides: a tensor without them is
+    copied first, its rows padded with zeros to a multiple of 16 bytes."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]) or t.shape[-1] * size % 16:
+        t = torch.nn.functional.pad(t, (0, -t.shape[-1] % (16 // size))).contiguous()
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width])
+
+
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len):
@@ -1146,8 +1133,8 @@ class _HSTUAttention(torch.autograd.Function):
         config = configs["fwd"]
         _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
             q,
-            k,
-            v,
+            _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
+            _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
             out,
             offsets,
             q.shape[0],
@@ -1158,10 +1145,6 @@ class _HSTUAttention(torch.autograd.Function):
             time,
             q.stride(0),
             q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
             out.stride(0),
             out.stride(1),
             **sizes,
