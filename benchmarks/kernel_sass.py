@@ -16,6 +16,7 @@ backward branches; each line gives the instructions between the branch and its t
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -44,6 +45,7 @@ POINTERS = {
     "d_time": "*fp32",
 }
 KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
+DESCRIPTORS = {"fwd": {"K": "BLOCK_N", "V": "BLOCK_N"}, "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"}, "dq": {}}
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -104,11 +106,12 @@ def compile_kernel(module, kind: str, config: dict, configs: dict):
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature, attrs = {}, {}
+    source = inspect.getsource(module)
     for index, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("K", "V") and kind == "fwd" and hasattr(module, "_rows_descriptor"):  # TMA descriptors
-            signature[name] = f"tensordesc<bf16[{config['BLOCK_N']}, 1, 128]>"
+        elif name in DESCRIPTORS[kind] and f"{name}.load(" in source:  # TMA descriptors of [tokens, heads, dim]
+            signature[name] = f"tensordesc<bf16[{config[DESCRIPTORS[kind][name]]}, 1, 128]>"
         else:
             signature[name] = POINTERS.get(name, "i32")
             attrs[(index,)] = [["tt.divisibility", 16]]

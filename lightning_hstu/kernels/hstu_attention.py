@@ -14,9 +14,9 @@ of scores in registers and reads the bias tables (a few kB) where it needs them.
 fall in one time bucket (its time bias then one number) is decided from the time ranges of its query and
 key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
 tiles whose gaps span several buckets read their timestamps.
-The forward reads each tile's keys and values by TMA (descriptors of the [tokens, heads, dim] tensors); the
-bias tables are read in the matrix product's register layout (loads in inline PTX), not through shared
-memory.
+The forward reads each tile's keys and values, and the dk/dv kernel each tile's queries and output
+gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in the matrix
+product's register layout (loads in inline PTX), not through shared memory.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
@@ -171,17 +171,6 @@ def _rows(base, index, ok, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         return tl.load(pointers, mask=ok[:, None], other=0.0)
     else:
         return tl.load(pointers, mask=ok[:, None] & (w < WIDTH)[None, :], other=0.0)
-
-
-@triton.jit
-def _columns(base, index, ok, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """The same rows transposed: a [BLOCK, len(index)] tile."""
-    w = tl.arange(0, BLOCK)
-    pointers = base + index[None, :] * stride + w[:, None]
-    if BLOCK == WIDTH:
-        return tl.load(pointers, mask=ok[None, :], other=0.0)
-    else:
-        return tl.load(pointers, mask=ok[None, :] & (w < WIDTH)[:, None], other=0.0)
 
 
 @triton.jit
@@ -533,6 +522,8 @@ def _dkdv_tile(
     first,
     Q,
     dOut,
+    start,
+    head,
     ts,
     ranges,
     tj_min,
@@ -542,8 +533,6 @@ def _dkdv_tile(
     time_table,
     n,
     inv_n,
-    stride_qn,
-    stride_don,
     num_positions,
     num_buckets,
     ATTENTION_DIM: tl.constexpr,
@@ -561,11 +550,13 @@ def _dkdv_tile(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """One [keys, queries] tile (transposed, so that every product takes its left operand as computed)."""
+    """One [keys, queries] tile (transposed, so that every product takes its left operand as computed). The
+    queries and their output gradients arrive by TMA (``Q`` and ``dOut`` are descriptors of the [tokens,
+    heads, dim] tensors): rows past the sequence's end belong to the next one, so their pairs are masked."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
-    q_t = _columns(Q, rows, row_ok, stride_qn, ATTENTION_DIM, BLOCK_A)  # [A, M]
-    do = _rows(dOut, rows, row_ok, stride_don, HIDDEN_DIM, BLOCK_D)  # [M, D], zero past the end
+    q_t = tl.trans(tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A]))  # [A, M]
+    do = tl.reshape(dOut.load([start + row, head, 0]), [BLOCK_M, BLOCK_D])
     ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
@@ -586,11 +577,14 @@ def _dkdv_tile(
     s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
     p, dsilu = _silu(s, FAST)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = dp * dsilu  # rows past the end have do = 0, so dp = ds = 0 there
+    ds = dp * dsilu
     if MASKED:
-        causal = rows[None, :] >= cols[:, None]
+        causal = (rows[None, :] >= cols[:, None]) & row_ok[None, :]
         p = tl.where(causal, p, 0.0)
         ds = tl.where(causal, ds, 0.0)
+    elif row + BLOCK_M > n:  # the sequence's last block of queries
+        p = tl.where(row_ok[None, :], p, 0.0)
+        ds = tl.where(row_ok[None, :], ds, 0.0)
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
     if BIAS_GRADS:
@@ -630,14 +624,10 @@ def _hstu_bwd_dkdv(
     range_blocks,
     position_table,
     time_table,
-    stride_qn,
-    stride_qh,
     stride_kn,
     stride_kh,
     stride_vn,
     stride_vh,
-    stride_don,
-    stride_doh,
     stride_dkn,
     stride_dkh,
     stride_dvn,
@@ -667,8 +657,6 @@ def _hstu_bwd_dkdv(
     first = block * BLOCK_N
     if first >= n:
         return
-    Q += start * stride_qn + head * stride_qh
-    dOut += start * stride_don + head * stride_doh
     ts = timestamps + start
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < n
@@ -696,6 +684,8 @@ def _hstu_bwd_dkdv(
             first,
             Q,
             dOut,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             tj_min,
@@ -705,8 +695,6 @@ def _hstu_bwd_dkdv(
             time_table,
             n,
             inv_n,
-            stride_qn,
-            stride_don,
             num_positions,
             num_buckets,
             ATTENTION_DIM,
@@ -737,6 +725,8 @@ def _hstu_bwd_dkdv(
             first,
             Q,
             dOut,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             tj_min,
@@ -746,8 +736,6 @@ def _hstu_bwd_dkdv(
             time_table,
             n,
             inv_n,
-            stride_qn,
-            stride_don,
             num_positions,
             num_buckets,
             ATTENTION_DIM,
@@ -1162,48 +1150,44 @@ class _HSTUAttention(torch.autograd.Function):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
         d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
-        common = (
-            offsets,
-            q.shape[0],
-            timestamps,
-            ranges,
-            ranges.shape[1],
-            position,
-            time,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            do.stride(0),
-            do.stride(1),
+        common = (offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time)
+        constants = dict(
+            **ctx.sizes, TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())), RANGE_BLOCK=ctx.range_block
         )
         in_dq = ctx.configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
-        for kind, kernel, grid_block, outputs in (
-            ("dkdv", _hstu_bwd_dkdv, "BLOCK_N", (dk, dv)),
-            ("dq", _hstu_bwd_dq, "BLOCK_M", (dq,)),
-        ):
-            config = ctx.configs[kind]
-            skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
-            strides = [stride for t in outputs for stride in (t.stride(0), t.stride(1))]
-            kernel[_grid(ctx.max_len, config[grid_block], offsets, q.shape[1])](
-                q,
-                k,
-                v,
-                do,
-                *outputs,
-                d_position,
-                d_time,
-                *common,
-                *strides,
-                **ctx.sizes,
-                **config,
-                SKEW=skew,
-                TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())),
-                BIAS_GRADS=in_dq == (kind == "dq"),
-                RANGE_BLOCK=ctx.range_block,
-            )
+        config = ctx.configs["dkdv"]
+        _hstu_bwd_dkdv[_grid(ctx.max_len, config["BLOCK_N"], offsets, q.shape[1])](
+            _rows_descriptor(q, config["BLOCK_M"], ctx.sizes["BLOCK_A"]),
+            k,
+            v,
+            _rows_descriptor(do, config["BLOCK_M"], ctx.sizes["BLOCK_D"]),
+            dk,
+            dv,
+            d_position,
+            d_time,
+            *common,
+            *(stride for t in (k, v, dk, dv) for stride in t.stride()[:2]),
+            **constants,
+            **config,
+            SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+            BIAS_GRADS=not in_dq,
+        )
+        config = ctx.configs["dq"]
+        _hstu_bwd_dq[_grid(ctx.max_len, config["BLOCK_M"], offsets, q.shape[1])](
+            q,
+            k,
+            v,
+            do,
+            dq,
+            d_position,
+            d_time,
+            *common,
+            *(stride for t in (q, k, v, do, dq) for stride in t.stride()[:2]),
+            **constants,
+            **config,
+            SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+            BIAS_GRADS=in_dq,
+        )
         return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
 
 
