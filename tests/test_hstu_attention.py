@@ -138,6 +138,19 @@ def test_rows_outside_every_sequence_get_zero_output_and_zero_gradient(device, e
     torch.testing.assert_close(out[:-extra], alone)  # and the real rows do not see them
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_of_empty_sequences_gives_no_rows_and_zero_table_gradients(device):
+    q, k, v, _, _, _ = jagged_batch([], 2, 16, 16, 8, device)
+    bias = bias_tables(16, 8, device)
+    offsets = torch.zeros(3, dtype=torch.int64, device=device)  # two sequences, both empty
+    out = kernel.hstu_attention(
+        q, k, v, offsets, torch.zeros(0, dtype=torch.int64, device=device), bias.position, bias.time, 16
+    )
+    out.sum().backward()
+    assert out.shape == (0, 2, 16) and q.grad.shape == (0, 2, 16)
+    assert bias.position.grad.abs().max() == 0 and bias.time.grad.abs().max() == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not compute bf16")
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):

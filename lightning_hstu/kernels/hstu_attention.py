@@ -1104,10 +1104,13 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[
 def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
     """A TMA descriptor of a [tokens, heads, dim] tensor that loads ``rows`` tokens of one head, ``width``
     wide (zeros past ``dim``). TMA needs a 16-byte aligned base and strides: a tensor without them is
-    copied first, its rows padded with zeros to a multiple of 16 bytes."""
+    copied first, its rows padded with zeros to a multiple of 16 bytes (and a tensor of no tokens stands in
+    as one zero token: no program reads it)."""
     size = t.element_size()
     if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]) or t.shape[-1] * size % 16:
         t = torch.nn.functional.pad(t, (0, -t.shape[-1] % (16 // size))).contiguous()
+    if len(t) == 0:
+        t = t.new_zeros((1, *t.shape[1:]))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width])
 
 
