@@ -8,11 +8,12 @@ branches of its SASS: how many instructions a tile costs, before any GPU time is
 
 The file is a copy of ``lightning_hstu/kernels/hstu_attention.py`` (as ``kernel_ab.py`` takes them). The
 launch is the bf16 one of a model with heads of 128: the kernel's own ``kernel_configs``, pointers and
-integer arguments aligned to 16 bytes (as Triton specialises them for the real tensors), the forward's
-keys and values as TMA descriptors where the file has them, no distance clamp. Triton's compiler and
-the ptxas it ships produce the same SASS as on the GPU machine when the Triton version is the same (3.6.0
-there: checked against Nsight Compute's listing of the forward, 3864 instructions both). Loops are the
-backward branches; each line gives the instructions between the branch and its target."""
+integer arguments aligned to 16 bytes (as Triton specialises them for the real tensors), TMA descriptors
+where the file's kernels load through them (the forward's keys and values, the dk/dv kernel's queries and
+output gradients), no distance clamp. Triton's compiler and the ptxas it ships produce the same SASS as on
+the GPU machine when the Triton version is the same (3.6.0 there: checked against Nsight Compute's listing
+of the forward, 3864 instructions both). Loops are the backward branches; each line gives the instructions
+between the branch and its target."""
 
 import argparse
 import collections
