@@ -99,25 +99,19 @@ def _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets):
 
 @triton.jit
 def _read(pointers, FAST: tl.constexpr):
-    """The fp32 values at a tensor of pointers into a read-only table, in the layout the caller computes
-    in. ``tl.load`` gets a layout of its own from Triton's coalescing pass, which for these gathers meant a
-    round trip through shared memory, with a barrier, at every tile to reach the matrix product's layout;
-    an elementwise load in inline PTX (``FAST``: compiled for a GPU) takes its operand's."""
+    """The values (fp32 or int64) at a tensor of pointers into a read-only table, in the layout the caller
+    computes in. ``tl.load`` gets a layout of its own from Triton's coalescing pass, which for these gathers
+    meant a round trip through shared memory, with a barrier, at every tile to reach the matrix product's
+    layout; an elementwise load in inline PTX (``FAST``: compiled for a GPU) takes its operand's."""
     if FAST:
+        wide: tl.constexpr = pointers.dtype.element_ty == tl.int64
         values = tl.inline_asm_elementwise(
-            "ld.global.nc.f32 $0, [$1];", "=r,l", [pointers], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        values = tl.load(pointers)
-    return values
-
-
-@triton.jit
-def _read_times(pointers, FAST: tl.constexpr):
-    """``_read`` for the int64 timestamps."""
-    if FAST:
-        values = tl.inline_asm_elementwise(
-            "ld.global.nc.b64 $0, [$1];", "=l,l", [pointers], dtype=tl.int64, is_pure=True, pack=1
+            "ld.global.nc.b64 $0, [$1];" if wide else "ld.global.nc.f32 $0, [$1];",
+            "=l,l" if wide else "=r,l",
+            [pointers],
+            dtype=pointers.dtype.element_ty,
+            is_pure=True,
+            pack=1,
         )
     else:
         values = tl.load(pointers)
@@ -157,7 +151,7 @@ def _bias(
         bias = position + tl.load(time_table + low)
         bucket = tl.full(position.shape, 0, tl.int32) + low
     else:
-        bucket = _bucket(ts_known - _read_times(ts_pointers, FAST), num_buckets)
+        bucket = _bucket(ts_known - _read(ts_pointers, FAST), num_buckets)
         bias = position + _read(time_table + bucket, FAST)
     return bias, bucket
 
