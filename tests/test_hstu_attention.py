@@ -151,6 +151,39 @@ def test_a_batch_of_empty_sequences_gives_no_rows_and_zero_table_gradients(devic
     assert bias.position.grad.abs().max() == 0 and bias.time.grad.abs().max() == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(device):
+    """``projected_attention`` (the layer's path: one gradient for the projection, Q, K and V's parts
+    written in place by the kernels) against splitting the projection and calling ``hstu_attention``: U,
+    the output, the projection's gradient (U's part from U's gradient) and both tables' gradients."""
+    heads, a, d = 2, 16, 24
+    _, _, _, offsets, times, _ = jagged_batch([9, 1, 14], heads, a, d, 8, device)
+    uvqk = torch.randn(len(times) + 3, heads * (2 * d + 2 * a), device=device)  # 3 rows of spare capacity
+    bias = bias_tables(16, 8, device)
+    grad_u, grad_y = torch.randn(len(uvqk), heads * d, device=device), torch.randn(len(uvqk), heads * d, device=device)
+    times = torch.cat([times, torch.full((3,), 10**6, device=times.device)])
+
+    def run(attention):
+        x = uvqk.detach().clone().requires_grad_()
+        bias.zero_grad()
+        u, y = attention(x)
+        ((u * grad_u).sum() + (y * grad_y).sum()).backward()
+        return [u.detach(), y.detach(), x.grad, bias.position.grad, bias.time.grad]
+
+    def split(x):
+        u, v, q, k = x.split([heads * d, heads * d, heads * a, heads * a], dim=-1)
+        q, k, v = q.unflatten(-1, (heads, a)), k.unflatten(-1, (heads, a)), v.unflatten(-1, (heads, d))
+        return u, kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 16).flatten(-2)
+
+    def projected(x):
+        return kernel.projected_attention(x, heads, a, d, offsets, times, bias.position, bias.time, 16)
+
+    for got, expected in zip(run(projected), run(split)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\[N, 160\] for heads=2, attention_dim=16, hidden_dim=24; got \(27, 150\)"):
+        kernel.projected_attention(uvqk[:, :150], heads, a, d, offsets, times, bias.position, bias.time, 16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not compute bf16")
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):

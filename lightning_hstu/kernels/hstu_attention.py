@@ -1012,7 +1012,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "bias_grads": "dq",
         }
     return {
-        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168),  # 3 programs per SM
+        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168),  # 3 programs per SM
         "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
         "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
         "bias_grads": "dq",
@@ -1108,84 +1108,132 @@ def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width])
 
 
+def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[torch.Tensor, dict]:
+    """The forward kernel's output and what the backward needs besides q, k, v and the inputs."""
+    sizes = _sizes(q, v, position, time, max_len)
+    configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
+    ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
+    config = configs["fwd"]
+    _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+        q,
+        _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
+        _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
+        out,
+        offsets,
+        q.shape[0],
+        timestamps,
+        ranges,
+        ranges.shape[1],
+        position,
+        time,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        **sizes,
+        **config,
+        RANGE_BLOCK=range_block,
+    )
+    return out, dict(max_len=max_len, sizes=sizes, configs=configs, range_block=range_block, ranges=ranges)
+
+
+def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv):
+    """Writes dq, dk and dv (tensors of q's, k's and v's shape: views of a wider tensor are fine) and returns
+    the two tables' gradients."""
+    do = grad if grad.stride(-1) == 1 else grad.contiguous()
+    d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
+    d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
+    ranges, sizes, configs, max_len = state["ranges"], state["sizes"], state["configs"], state["max_len"]
+    common = (offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time)
+    constants = dict(
+        **sizes, TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())), RANGE_BLOCK=state["range_block"]
+    )
+    in_dq = configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
+    config = configs["dkdv"]
+    _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1])](
+        _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
+        k,
+        v,
+        _rows_descriptor(do, config["BLOCK_M"], sizes["BLOCK_D"]),
+        dk,
+        dv,
+        d_position,
+        d_time,
+        *common,
+        *(stride for t in (k, v, dk, dv) for stride in t.stride()[:2]),
+        **constants,
+        **config,
+        SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+        BIAS_GRADS=not in_dq,
+    )
+    config = configs["dq"]
+    _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+        q,
+        k,
+        v,
+        do,
+        dq,
+        d_position,
+        d_time,
+        *common,
+        *(stride for t in (q, k, v, do, dq) for stride in t.stride()[:2]),
+        **constants,
+        **config,
+        SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+        BIAS_GRADS=in_dq,
+    )
+    return d_position.to(position.dtype), d_time.to(time.dtype)
+
+
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len):
-        sizes = _sizes(q, v, position, time, max_len)
-        configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
-        ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
-        config = configs["fwd"]
-        _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
-            q,
-            _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
-            _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
-            out,
-            offsets,
-            q.shape[0],
-            timestamps,
-            ranges,
-            ranges.shape[1],
-            position,
-            time,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            **sizes,
-            **config,
-            RANGE_BLOCK=range_block,
-        )
-        ctx.save_for_backward(q, k, v, offsets, timestamps, position, time, ranges)
-        ctx.max_len, ctx.sizes, ctx.configs, ctx.range_block = max_len, sizes, configs, range_block
+        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len)
+        ctx.save_for_backward(q, k, v, offsets, timestamps, position, time)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, offsets, timestamps, position, time, ranges = ctx.saved_tensors
-        do = grad if grad.stride(-1) == 1 else grad.contiguous()
+        q, k, v, offsets, timestamps, position, time = ctx.saved_tensors
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
-        d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
-        common = (offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time)
-        constants = dict(
-            **ctx.sizes, TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())), RANGE_BLOCK=ctx.range_block
+        d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
+        return dq, dk, dv, None, None, d_position, d_time, None
+
+
+class _ProjectedAttention(torch.autograd.Function):
+    """``projected_attention``: one gradient tensor for the projection, its parts written in place."""
+
+    @staticmethod
+    def forward(ctx, uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim):
+        u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
+        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len)
+        ctx.save_for_backward(uvqk, offsets, timestamps, position, time)
+        ctx.dims = heads, attention_dim, hidden_dim
+        return u.flatten(-2), out.flatten(-2)
+
+    @staticmethod
+    def backward(ctx, du, grad):
+        uvqk, offsets, timestamps, position, time = ctx.saved_tensors
+        _, v, q, k = _split(uvqk, *ctx.dims)
+        d_uvqk = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
+        d_u, dv, dq, dk = _split(d_uvqk, *ctx.dims)
+        if du is None:
+            d_u.zero_()
+        else:
+            d_u.copy_(du.unflatten(-1, d_u.shape[-2:]))
+        grad = (
+            torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad.unflatten(-1, v.shape[-2:])
         )
-        in_dq = ctx.configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
-        config = ctx.configs["dkdv"]
-        _hstu_bwd_dkdv[_grid(ctx.max_len, config["BLOCK_N"], offsets, q.shape[1])](
-            _rows_descriptor(q, config["BLOCK_M"], ctx.sizes["BLOCK_A"]),
-            k,
-            v,
-            _rows_descriptor(do, config["BLOCK_M"], ctx.sizes["BLOCK_D"]),
-            dk,
-            dv,
-            d_position,
-            d_time,
-            *common,
-            *(stride for t in (k, v, dk, dv) for stride in t.stride()[:2]),
-            **constants,
-            **config,
-            SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
-            BIAS_GRADS=not in_dq,
-        )
-        config = ctx.configs["dq"]
-        _hstu_bwd_dq[_grid(ctx.max_len, config["BLOCK_M"], offsets, q.shape[1])](
-            q,
-            k,
-            v,
-            do,
-            dq,
-            d_position,
-            d_time,
-            *common,
-            *(stride for t in (q, k, v, do, dq) for stride in t.stride()[:2]),
-            **constants,
-            **config,
-            SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
-            BIAS_GRADS=in_dq,
-        )
-        return dq, dk, dv, None, None, d_position.to(position.dtype), d_time.to(time.dtype), None
+        d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
+        return d_uvqk, None, None, d_position, d_time, None, None, None, None
+
+
+def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
+    """U, V, Q and K: views ``[N, heads, dim]`` of the projection's ``[N, heads * (2 hidden + 2 attention)]``."""
+    widths = [heads * hidden_dim, heads * hidden_dim, heads * attention_dim, heads * attention_dim]
+    dims = [hidden_dim, hidden_dim, attention_dim, attention_dim]
+    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split(widths, dim=-1), dims)]
 
 
 def hstu_attention(
@@ -1206,3 +1254,34 @@ def hstu_attention(
     differentiable in q, k, v and both tables."""
     _check(q, k, v, offsets, timestamps, position, time)
     return _HSTUAttention.apply(q, k, v, offsets, timestamps, position, time, max_len)
+
+
+def projected_attention(
+    uvqk: torch.Tensor,
+    heads: int,
+    attention_dim: int,
+    hidden_dim: int,
+    offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    position: torch.Tensor,
+    time: torch.Tensor,
+    max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HSTU layer's attention from its projection: ``uvqk`` ``[N, heads * (2 hidden_dim + 2
+    attention_dim)]`` holds U, V, Q and K side by side (in that order, each ``heads`` wide). Returns U
+    ``[N, heads * hidden_dim]`` (a view of ``uvqk``) and ``hstu_attention`` of the Q, K and V parts, flattened
+    to ``[N, heads * hidden_dim]``. The
+    same values and gradients as splitting ``uvqk`` and calling ``hstu_attention``; in backward the
+    kernels write dq, dk and dv into their columns of ``uvqk``'s gradient, where the split's backward
+    would concatenate four gradient tensors into a new one."""
+    width = heads * (2 * hidden_dim + 2 * attention_dim)
+    if uvqk.dim() != 2 or uvqk.shape[-1] != width:
+        raise ValueError(
+            f"uvqk must be [tokens, heads * (2 hidden_dim + 2 attention_dim)] = [N, {width}] for heads={heads}, "
+            f"attention_dim={attention_dim}, hidden_dim={hidden_dim}; got {tuple(uvqk.shape)}"
+        )
+    _, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
+    _check(q, k, v, offsets, timestamps, position, time)
+    return _ProjectedAttention.apply(
+        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim
+    )

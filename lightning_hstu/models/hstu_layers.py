@@ -139,11 +139,10 @@ class HSTULayer(nn.Module):
         h, a, d = self.heads, self.attention_dim, self.hidden_dim
         compiled = getattr(tokens, "compiled", False)
         inputs, output = _compiled_token_wise() if compiled else (_layer_inputs, _layer_output)
-        u, v, q, k = inputs(self.norm, self.f1, x).split([h * d, h * d, h * a, h * a], dim=-1)
-        y = tokens.attend(q.unflatten(-1, (h, a)), k.unflatten(-1, (h, a)), v.unflatten(-1, (h, d)), self.bias)
+        u, y = tokens.attention(inputs(self.norm, self.f1, x), h, a, d, self.bias)
         if compiled:  # jagged: every row is a real token (or spare capacity), nothing to mask
-            return output(self.attention_norm, self.f2, self.dropout, x, y.flatten(-2), u)
-        return x + tokens.keep(self.dropout(self.f2(self.attention_norm(y.flatten(-2)) * u)))
+            return output(self.attention_norm, self.f2, self.dropout, x, y, u)
+        return x + tokens.keep(self.dropout(self.f2(self.attention_norm(y) * u)))
 
 
 def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +183,16 @@ class PaddedTokens(NamedTuple):
         attention = F.silu(scores) * allowed  # pointwise, normalised by the sequence length (after A V)
         return ((attention @ v) / n).transpose(1, 2)
 
+    def attention(
+        self, uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, bias: RelativeBias
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """U and the attention's output, both ``[..., heads * hidden_dim]``, from the layer's projection
+        ``uvqk`` (U, V, Q, K side by side)."""
+        h, a, d = heads, attention_dim, hidden_dim
+        u, v, q, k = uvqk.split([h * d, h * d, h * a, h * a], dim=-1)
+        y = self.attend(q.unflatten(-1, (h, a)), k.unflatten(-1, (h, a)), v.unflatten(-1, (h, d)), bias)
+        return u, y.flatten(-2)
+
     def keep(self, y: torch.Tensor) -> torch.Tensor:
         return y * self.mask[..., None]  # padding stays as it came in
 
@@ -201,10 +210,24 @@ class JaggedTokens(NamedTuple):
     compiled: bool = False
     """Run the layers' token-wise parts through ``torch.compile`` (``HSTUConfig.compile_layers``)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: RelativeBias) -> torch.Tensor:
-        from ..kernels.hstu_attention import hstu_attention  # Triton: only the jagged layout needs it
+    def attention(
+        self, uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, bias: RelativeBias
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``PaddedTokens.attention``, by the fused kernel: its backward writes the gradients of Q, K and
+        V into their columns of one gradient for ``uvqk``."""
+        from ..kernels.hstu_attention import projected_attention  # Triton: only the jagged layout needs it
 
-        return hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position, bias.time, self.max_len)
+        return projected_attention(
+            uvqk,
+            heads,
+            attention_dim,
+            hidden_dim,
+            self.offsets,
+            self.timestamps,
+            bias.position,
+            bias.time,
+            self.max_len,
+        )
 
     def keep(self, y: torch.Tensor) -> torch.Tensor:
         return y
