@@ -1221,12 +1221,26 @@ class _ProjectedAttention(torch.autograd.Function):
         if du is None:
             d_u.zero_()
         else:
-            d_u.copy_(du.unflatten(-1, d_u.shape[-2:]))
+            _copy_rows(d_u.flatten(-2), du)
         grad = (
             torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad.unflatten(-1, v.shape[-2:])
         )
         d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
         return d_uvqk, None, None, d_position, d_time, None, None, None, None
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for ``[N, W]`` tensors with contiguous rows (``dst`` a view of a wider tensor): as
+    8-byte words where widths, strides and addresses allow (four bf16 per element), since torch copies into
+    a strided view one element at a time."""
+    word = 8 // dst.element_size() if dst.element_size() < 8 else 1
+    aligned = all(
+        t.dtype == dst.dtype and t.stride(-1) == 1 and t.stride(0) % word == 0 and t.data_ptr() % 8 == 0
+        for t in (dst, src)
+    )
+    if word > 1 and aligned and dst.shape[-1] % word == 0 and dst.shape == src.shape:
+        dst, src = dst.view(torch.int64), src.view(torch.int64)
+    dst.copy_(src)
 
 
 def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
