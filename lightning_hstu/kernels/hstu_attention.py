@@ -1207,6 +1207,7 @@ class _ProjectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim):
         u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
+        _check(q, k, v, offsets, timestamps, position, time)
         out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len)
         ctx.save_for_backward(uvqk, offsets, timestamps, position, time)
         ctx.dims = heads, attention_dim, hidden_dim
@@ -1233,7 +1234,7 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for ``[N, W]`` tensors with contiguous rows (``dst`` a view of a wider tensor): as
     8-byte words where widths, strides and addresses allow (four bf16 per element), since torch copies into
     a strided view one element at a time."""
-    word = 8 // dst.element_size() if dst.element_size() < 8 else 1
+    word = max(1, 8 // dst.element_size())
     aligned = all(
         t.dtype == dst.dtype and t.stride(-1) == 1 and t.stride(0) % word == 0 and t.data_ptr() % 8 == 0
         for t in (dst, src)
@@ -1294,8 +1295,6 @@ def projected_attention(
             f"uvqk must be [tokens, heads * (2 hidden_dim + 2 attention_dim)] = [N, {width}] for heads={heads}, "
             f"attention_dim={attention_dim}, hidden_dim={hidden_dim}; got {tuple(uvqk.shape)}"
         )
-    _, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
-    _check(q, k, v, offsets, timestamps, position, time)
     return _ProjectedAttention.apply(
         uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim
     )
