@@ -170,7 +170,8 @@ def run_pipeline(model, optimizer, autocast, device):
 
 def run_engine(model, optimizer, autocast, device, preset, capture=False):
     losses = []
-    graphed = GraphedMethod(model.objectives, "losses", max_graphs=6) if capture else None
+    accumulators = model.dense_grads.accumulators()  # as HSTURecommender.hstu_graphs
+    graphed = GraphedMethod(model.objectives, "losses", max_graphs=6, accumulators=accumulators) if capture else None
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
     engine = Engine(
         plan,

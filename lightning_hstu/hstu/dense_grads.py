@@ -56,6 +56,12 @@ class MegatronDenseGrads:
         for p in self._params:
             p.grad = None
 
+    def accumulators(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each trained parameter's slot in megatron's buffers (``main_grad``), where a gradient may be added
+        in place of reaching ``.grad``: with ``overlap_grad_reduce`` off, as here, megatron's per-parameter
+        hook does nothing else with it (``GraphedMethod`` adds the replayed backward's gradients there)."""
+        return {p: p.main_grad for p in self._params if p.requires_grad}
+
     def finalize(self) -> None:
         from megatron.core.distributed import finalize_model_grads
 

@@ -3,8 +3,11 @@
 ``torch.cuda.make_graphed_callables`` records one graph for the forward and one for the backward of a
 function of tensors with static shapes, and returns an autograd function that replays them: the forward
 task replays the first, ``loss.backward()`` in the backward task replays the second, and autograd carries
-the graph's input gradients on to the (eager) TorchRec embeddings and its parameter gradients to the
-parameters, where megatron-core's hooks collect them outside the graph.
+the graph's input gradients on to the (eager) TorchRec embeddings. The graphs read the parameters in place,
+and autograd adds their gradients straight into megatron-core's gradient buffers (``accumulators``; without
+them, into ``.grad``, where megatron-core's per-parameter hooks move them). On the light benchmark's step
+the copy of every parameter into the graph, megatron-core's 26 hooks and autograd's stream syncs for them
+took about 1.5 ms of 8.4 (one H200, BENCHMARKS.md).
 
 A capture needs every input shape to be fixed and nothing else on the GPU to misbehave while it records,
 so it is done by the engine between two steps (no task running; see ``Engine(graphs=...)``), for each
@@ -18,6 +21,7 @@ learning rate on the device, its step captured once the gradients it reads stay 
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -32,12 +36,23 @@ class GraphedMethod:
     """Calls ``module.<method>(*tensors)`` eagerly until the engine has captured it for the calls'
     signature, then replays the graphs. The method must be a pure function of its tensor arguments and of
     the module's parameters (the backward graph computes their gradients), with shapes that depend on the
-    arguments' shapes only."""
+    arguments' shapes only. ``accumulators`` maps parameters to tensors of their shape and dtype into which
+    the replayed backward adds their gradients instead of into ``.grad`` (``MegatronDenseGrads.accumulators``:
+    megatron-core's ``main_grad``); a parameter not in it gets its gradient in ``.grad``."""
 
-    def __init__(self, module: nn.Module, method: str, *, warmup: int = 3, max_graphs: int = 2):
+    def __init__(
+        self,
+        module: nn.Module,
+        method: str,
+        *,
+        warmup: int = 3,
+        max_graphs: int = 2,
+        accumulators: Mapping[nn.Parameter, torch.Tensor] | None = None,
+    ):
         if warmup < 1 or max_graphs < 1:
             raise ValueError(f"warmup ({warmup}) and max_graphs ({max_graphs}) must be at least 1")
         self.module, self.method, self.warmup, self.max_graphs = module, method, warmup, max_graphs
+        self.accumulators = dict(accumulators or {})
         self.name = f"{type(module).__name__}.{method}"
         self.graphs: dict[Signature, nn.Module] = {}
         self._calls: Counter = Counter()
@@ -45,6 +60,9 @@ class GraphedMethod:
         self._told: set[Signature] = set()
         self.replays = self.eager_calls = 0
         self._parameters: tuple[nn.Parameter, ...] = ()
+        self._aliases: tuple[torch.Tensor, ...] = ()
+        self._replayed: tuple[torch.Tensor, ...] = ()  # what a replay passes for the parameters
+        self._addresses: tuple[int, ...] = ()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         signature = _signature(args)
@@ -52,7 +70,7 @@ class GraphedMethod:
         if graphed is not None:
             self.replays += 1
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
-            return tuple(out.clone() for out in graphed(*args, *self._parameters))
+            return tuple(out.clone() for out in graphed(*args, *self._replay_parameters()))
         self.eager_calls += 1
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
@@ -77,17 +95,41 @@ class GraphedMethod:
         """Capture the pending signatures; the caller guarantees that no other thread uses the GPU
         meanwhile (the engine calls it between steps). Returns what it captured, described."""
         captured = []
-        self._parameters = tuple(self.module.parameters())  # what every replay passes (not walked per call)
+        if not self._parameters:  # what every replay passes (not walked per call)
+            self._parameters = tuple(self.module.parameters())
+            # The graphs read the parameters where they live: leaves of their own over the same storage
+            # (a replay copies a parameter in only if its storage moved since). The replays pass other
+            # leaves over it again: the captured graph keeps the capture's leaves' gradient accumulators
+            # alive on the capture's stream, and autograd would sync every gradient with that stream.
+            self._aliases = tuple(_alias(p) for p in self._parameters)
+            self._replayed = tuple(self._gradients_into(p, _alias(p)) for p in self._parameters)
+            self._addresses = tuple(p.data_ptr() for p in self._parameters)
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
-            parameters = tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._parameters)
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
                 self.graphs[signature] = torch.cuda.make_graphed_callables(
-                    call, (*self._samples.pop(signature), *parameters), num_warmup_iters=self.warmup
+                    call, (*self._samples.pop(signature), *self._aliases), num_warmup_iters=self.warmup
                 )
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
+
+    def _gradients_into(self, parameter: nn.Parameter, alias: torch.Tensor) -> torch.Tensor:
+        """What a replay passes for ``parameter``: ``alias`` whose ``.grad`` is the parameter's accumulator
+        (autograd adds the replay's gradient into it in place), or the parameter itself (its gradient then
+        reaches ``.grad`` and the hooks on it)."""
+        into = self.accumulators.get(parameter)
+        if into is None or (into.shape, into.dtype, into.device) != (alias.shape, alias.dtype, alias.device):
+            return parameter
+        alias.grad = into
+        return alias
+
+    def _replay_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The aliases stand for the parameters while the parameters' storage is where the capture found it;
+        a parameter moved since (``param.data = ...``) is passed itself, copied in by the replay."""
+        if tuple(p.data_ptr() for p in self._parameters) == self._addresses:
+            return self._replayed
+        return self._parameters
 
 
 class GraphedAdamW(torch.optim.AdamW):
@@ -177,9 +219,8 @@ class _Call(nn.Module):
     Why the parameters come in as arguments: a data-parallel wrapper (megatron-core's DDP, torch DDP) has
     already created each parameter's gradient accumulator on the stream it was built on (the legacy
     default stream), and a backward capture that reached them would make that stream wait on the capture
-    (cudaErrorStreamCaptureImplicit). The graph computes the gradients of its argument copies instead;
-    autograd hands them to the real parameters' accumulators outside the graph, where the wrapper's hooks
-    see them as after any backward."""
+    (cudaErrorStreamCaptureImplicit). The graph computes the gradients of its arguments instead, leaves over
+    the parameters' storage (``GraphedMethod.capture``); autograd hands them on outside the graph."""
 
     def __init__(self, module: nn.Module, method: str, autocast_dtype: torch.dtype | None):
         super().__init__()
@@ -210,6 +251,11 @@ class _Method(nn.Module):
 def _signature(args: tuple[torch.Tensor, ...]) -> Signature:
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     return (*((tuple(a.shape), a.dtype, a.requires_grad) for a in args), autocast)
+
+
+def _alias(parameter: nn.Parameter) -> torch.Tensor:
+    """A leaf over ``parameter``'s storage (no copy), with its own gradient."""
+    return parameter.detach().requires_grad_(parameter.requires_grad)
 
 
 def _sample(value: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,12 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
             fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
-            self._graphed = GraphedMethod(self.objectives, "losses", max_graphs=JAGGED_GRAPHS if fused else 2)
+            self._graphed = GraphedMethod(
+                self.objectives,
+                "losses",
+                max_graphs=JAGGED_GRAPHS if fused else 2,
+                accumulators=self.dense_grads.accumulators(),
+            )
         graphs = {"forward": self._graphed}
         optimizer = self.trainer.optimizers[0] if self.trainer.optimizers else None
         if isinstance(optimizer, GraphedAdamW):

@@ -1,0 +1,73 @@
+"""GraphedMethod on a GPU: the replayed forward reads the parameters where they live (an in-place update is
+seen by the next replay), and the replayed backward adds each parameter's gradient into its accumulator
+where one is given (megatron-core's ``main_grad``), or into ``.grad`` where none is; once a parameter's storage
+moved, replays copy the parameters in and their gradients reach ``.grad``, as eager calls' do. The same
+numbers as the eager method throughout."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hstu.hstu.graphs import GraphedMethod
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 5), nn.Linear(5, 1)
+
+    def losses(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.second(torch.tanh(self.first(x))).square().sum(),)
+
+
+def twins(device):
+    torch.manual_seed(0)
+    ours = Small().to(device)
+    theirs = Small().to(device)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def inputs(step, device):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(4, 6, generator=gen).to(device).requires_grad_()
+
+
+@cuda
+def test_the_replay_accumulates_into_the_given_buffers_and_sees_every_update():
+    device = torch.device("cuda")
+    ours, theirs = twins(device)
+    # the first layer's gradients go to buffers of their own; the second layer's reach .grad
+    buffers = {p: torch.zeros_like(p) for p in ours.first.parameters()}
+    graphed = GraphedMethod(ours, "losses", warmup=2, accumulators=buffers)
+    moved = False
+    for step in range(8):
+        if graphed.pending():
+            assert graphed.capture()
+        x = inputs(step, device)
+        y = x.detach().clone().requires_grad_()
+        for buffer in buffers.values():
+            buffer.zero_()
+        for p in [*ours.parameters(), *theirs.parameters()]:
+            p.grad = None
+        (loss,) = graphed(x)
+        (expected,) = theirs.losses(y)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(x.grad, y.grad)
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            into_buffer = p in buffers and graphed.replays and not moved
+            torch.testing.assert_close(buffers[p] if into_buffer else p.grad, q.grad, msg=f"step {step}, {name}")
+            if into_buffer:
+                assert p.grad is None, f"step {step}: {name}'s gradient went to .grad, not to its buffer"
+        with torch.no_grad():  # an optimizer's in-place update, which the next replay must read
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                p.sub_(0.1 * q.grad)
+                q.sub_(0.1 * q.grad)
+        if step == 5:  # a parameter moved to new storage: still read, through a copy
+            ours.first.weight.data = ours.first.weight.data.clone()
+            moved = True
+    assert (graphed.eager_calls, graphed.replays) == (2, 6)
