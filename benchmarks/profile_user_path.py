@@ -6,11 +6,23 @@ on one GPU for long enough to attach a sampling profiler to it, and says when th
 
 The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows;
 ``--plain`` runs its plain loop instead (no Trainer), so that each mode can be timed alone in a process.
-Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes."""
+Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes.
+
+Two diagnostics of the steady state, from the end of the warmup on:
+
+- ``--sync-debug``: every call that makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``),
+  counted per thread and call site and printed per step at the end (CUDA only);
+- ``--trace FILE``: torch.profiler over ``--trace-steps`` steps (CPU ops of every thread, CUDA kernels), a
+  Chrome trace written to FILE and, printed, each thread's busiest ops and its CUDA runtime calls that wait
+  (synchronize, blocking copies) with their total time."""
 
 import argparse
+import collections
 import os
+import threading
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,13 +45,17 @@ from lightning_hstu.models.hstu import HSTURecommender
 
 
 class _Marks(pl.Callback):
-    """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it."""
+    """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it;
+    starts the diagnostics there (``_SyncSites``, ``_Trace``) and stops the trace after its steps."""
 
-    def __init__(self, warmup, every, path):
+    def __init__(self, warmup, every, path, diagnostics=()):
         self.warmup, self.every, self.path, self.start = warmup, every, Path(path), None
+        self.diagnostics = diagnostics
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         done = batch_idx - self.warmup
+        for diagnostic in self.diagnostics:
+            diagnostic.at_step(done)
         if done < 0 or done % self.every:
             return
         if torch.cuda.is_available():
@@ -66,7 +82,17 @@ def main():
     parser.add_argument("--batches", type=int, default=110, help="distinct batches, cycled (the benchmark's 10 + 100)")
     parser.add_argument("--ready", default="/tmp/profile_ready")
     parser.add_argument("--small", action="store_true", help="hstu_pipelines.py's tiny sizes (for a CPU run)")
+    parser.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU per call site")
+    parser.add_argument("--trace", help="write a torch.profiler Chrome trace of --trace-steps steps to this file")
+    parser.add_argument("--trace-steps", type=int, default=20)
     args = parser.parse_args()
+    if args.sync_debug and not torch.cuda.is_available():
+        parser.error("--sync-debug needs CUDA")
+    if args.trace and not 0 < args.trace_steps <= args.steps:
+        parser.error(f"--trace-steps must be in 1..--steps ({args.steps})")
+    diagnostics = ([_SyncSites()] if args.sync_debug else []) + (
+        [_Trace(args.trace, args.trace_steps)] if args.trace else []
+    )
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -78,7 +104,9 @@ def main():
     batches = make_batches(args.batches, 32, sizes["max_len"], num_items, 16)
     total = args.warmup + args.steps
     if args.plain:
-        _plain_loop(sizes, device, num_items, cycled(batches, total), _Marks(args.warmup, args.every, args.ready))
+        marks = _Marks(args.warmup, args.every, args.ready, diagnostics)
+        _plain_loop(sizes, device, num_items, cycled(batches, total), marks)
+        _report(diagnostics)
         dist.destroy_process_group()
         return
     model = HSTURecommender(
@@ -93,9 +121,94 @@ def main():
         if args.lightning
         else HSTUPipelineStrategy(preset=args.preset, capture_graphs=args.graphs, step_timeout=600)
     )
-    trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready)])
+    trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready, diagnostics)])
     trainer.fit(model, _Batches(cycled(batches, total), num_items))
+    _report(diagnostics)
     dist.destroy_process_group()
+
+
+def _report(diagnostics) -> None:
+    for diagnostic in diagnostics:
+        diagnostic.report()
+
+
+class _SyncSites:
+    """Counts the calls that synchronise with the GPU from step 0 on, by thread and by the innermost frames
+    of the call site, through ``torch.cuda.set_sync_debug_mode("warn")`` (a warning at every such call)."""
+
+    FRAMES = 4
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.steps = 0
+
+    def at_step(self, done: int) -> None:
+        if done == 0:
+            warnings.filterwarnings("always", message=".*synchroniz")
+            self._show, warnings.showwarning = warnings.showwarning, self._record
+            torch.cuda.set_sync_debug_mode("warn")
+        self.steps = max(self.steps, done)
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+        site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-self.FRAMES :]))
+        self.counts[(threading.current_thread().name, site)] += 1
+
+    def report(self) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        print(f"\nsynchronising calls per step (over {self.steps} steps), by thread and call site:")
+        for (thread, site), count in self.counts.most_common(25):
+            print(f"{count / max(1, self.steps):8.2f}  {thread:14s} {site}")
+
+
+class _Trace:
+    """torch.profiler over steps 0 .. ``steps`` - 1 after the warmup; writes a Chrome trace and prints, per
+    thread, its busiest ops (self CPU time) and its CUDA runtime calls that wait for the device."""
+
+    WAITS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy2D ", "cudaStreamWaitEvent")
+
+    def __init__(self, path: str, steps: int):
+        self.path, self.steps, self.profiler = path, steps, None
+
+    def at_step(self, done: int) -> None:
+        if done == 0:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # every thread (the engine's and autograd's, not only the one starting the profiler), and the
+            # device's synchronisations as events of their own
+            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+            self.profiler = torch.profiler.profile(activities=activities, experimental_config=config)
+            self.profiler.start()
+        elif done == self.steps and self.profiler is not None:
+            self._finish()
+
+    def report(self) -> None:
+        if self.profiler is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        profiler, self.profiler = self.profiler, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        profiler.stop()
+        profiler.export_chrome_trace(self.path)
+        busy: dict = collections.defaultdict(collections.Counter)
+        waits: dict = collections.defaultdict(collections.Counter)
+        for event in profiler.events():
+            if event.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            busy[event.thread][event.name] += event.self_cpu_time_total
+            if event.name.startswith("cuda") and any(w in event.name + " " for w in self.WAITS):
+                waits[event.thread][event.name] += event.cpu_time_total
+        print(f"\ntorch.profiler over {self.steps} steps (trace: {self.path}); us per step:")
+        for thread, ops in sorted(busy.items(), key=lambda kv: -sum(kv[1].values())):
+            top = ", ".join(f"{name} {us / self.steps:.0f}" for name, us in ops.most_common(6))
+            print(f"thread {thread}: {sum(ops.values()) / self.steps:.0f} self CPU; {top}")
+            if waits[thread]:
+                print("    waits: " + ", ".join(f"{n} {us / self.steps:.0f}" for n, us in waits[thread].most_common()))
 
 
 def _plain_loop(sizes, device, num_items, batches, marks):
