@@ -97,3 +97,22 @@ def test_graph_capture_refuses_histories_longer_than_the_model_pads_to():
             strategy=HSTUPipelineStrategy("default_d6", capture_graphs=True),
             model_kwargs=dict(max_seq_len=16),
         )
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_gradients_accumulated_over_batches_train_as_under_lightnings_own_loop():
+    """``Trainer(accumulate_grad_batches=3)``: the dense gradients of a window's batches add up once each
+    and the optimizer steps at the window's end, under the engine as under Lightning's own loop."""
+    runs = [
+        fit_hstu(
+            epochs=1,
+            limit_train_batches=7,
+            limit_val_batches=0,
+            accumulate_grad_batches=3,
+            strategy=strategy,
+            model_kwargs=SAMPLED,
+        )
+        for strategy in (HSTUPipelineStrategy("legacy_none"), HSTUPipelineStrategy(engine=False))
+    ]
+    assert runs[0][1].global_step == runs[1][1].global_step == 3  # ceil(7 / 3) optimizer steps
+    assert_same_training(*runs)

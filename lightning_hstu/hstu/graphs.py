@@ -95,7 +95,7 @@ class GraphedMethod:
         """Capture the pending signatures; the caller guarantees that no other thread uses the GPU
         meanwhile (the engine calls it between steps). Returns what it captured, described."""
         captured = []
-        if not self._parameters:  # what every replay passes (not walked per call)
+        if not self._parameters:  # listed once; a replay only compares their addresses
             self._parameters = tuple(self.module.parameters())
             # The graphs read the parameters where they live: leaves of their own over the same storage
             # (a replay copies a parameter in only if its storage moved since). The replays pass other

@@ -241,7 +241,14 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def hstu_compute_output_dist(self, b: BatchView) -> None:
         b["embeddings"] = self.embeddings.compute_output_dist(b["sparse_input"])
 
-    def hstu_finalize_model_grads(self, b: BatchView) -> None:
+    def hstu_finalize_model_grads(self, b: BatchView):
+        step = self.trainer.strategy.step_context
+        if step is not None and step.accumulating:
+            # Inside an accumulation window the gradients stay in megatron's buffers, unreduced, and .grad
+            # stays None: a .grad pointing at the buffer would be added into it a second time by the next
+            # batch's backward hooks. The window's last batch finalizes, as Lightning's own loop does.
+            b["reduced_grads"] = False
+            return SKIPPED
         self._finalize_grads(b.index)
         b["reduced_grads"] = True
 
