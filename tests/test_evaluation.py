@@ -38,3 +38,25 @@ def test_the_most_popular_baseline_ranks_by_training_counts():
     assert ranks["unseen"].tolist() == [0, 1]  # user 1's 2 and user 2's 1, seen, are left out
     means = mean_metrics(ranks)
     assert means["unseen"]["HR@1"] == 0.5 and means["all"]["MRR"] == pytest.approx((1 / 2 + 1 / 3) / 2)
+
+
+def test_ties_and_nan_scores_rank_above_the_held_out_item():
+    """A model that scores every item alike, or diverged to NaN, gets the worst ranks, not the best."""
+    history, lengths = torch.tensor([1, 1]), torch.tensor([1, 1, 0, 0])
+    alike = torch.zeros(4, 6)
+    nan = torch.full((4, 6), float("nan"))
+    some_nan = torch.tensor([[0.0, 0.9, 0.8, 0.7, float("nan"), 0.5]]).expand(4, -1)
+    nan_target = torch.tensor([[0.0, 0.9, 0.8, float("nan"), 0.6, 0.5]]).expand(4, -1)
+    targets = torch.tensor([3, 3, 3, 3])
+    assert target_ranks(alike, targets, history, lengths)["all"].tolist() == [4, 4, 4, 4]  # items 1-5 but 3
+    assert target_ranks(alike, targets, history, lengths)["unseen"].tolist() == [3, 3, 4, 4]  # 1 seen by two
+    assert target_ranks(nan, targets, history, lengths)["all"].tolist() == [4, 4, 4, 4]
+    assert target_ranks(some_nan, targets, history, lengths)["all"].tolist() == [3, 3, 3, 3]  # 1, 2 and NaN 4
+    assert target_ranks(nan_target, targets, history, lengths)["all"].tolist() == [4, 4, 4, 4]
+    assert mean_metrics(target_ranks(nan, targets, history, lengths))["all"]["HR@1"] == 0.0
+
+
+def test_the_most_popular_baseline_breaks_ties_by_id_at_any_count():
+    train = [(5,) * 3000 + (2,) * 3000 + (1,) * 2999]  # 2 and 5 tie at 3000: 2 first, then 5, then 1
+    evaluation = [(History(1, (), (), ()), 5), (History(2, (), (), ()), 2), (History(3, (), (), ()), 1)]
+    assert most_popular_ranks(train, evaluation, num_items=6)["all"].tolist() == [1, 0, 2]

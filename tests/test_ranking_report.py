@@ -26,6 +26,15 @@ class PeaksAtEpoch1(SASRecRecommender):
         self.log("val/score", float(self.current_epoch == 1), batch_size=batch.size)
 
 
+class NanAtEpoch0(SASRecRecommender):
+    """Logs a validation score that is NaN at epoch 0 (a diverged start), then best at epoch 2 (of 3)."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        score = float("nan") if self.current_epoch == 0 else float(self.current_epoch)
+        self.log("val/score", score, batch_size=batch.size)
+
+
 class WeightsAtValidation(Callback):
     def __init__(self):
         self.by_epoch = {}
@@ -62,6 +71,12 @@ def test_the_test_runs_with_the_best_validation_epochs_weights(tmp_path):
     for live, best, last in zip(model.evaluation_weights(), seen.by_epoch[1], seen.by_epoch[2]):
         assert torch.equal(live, best)
     assert not all(torch.equal(b, c) for b, c in zip(seen.by_epoch[1], seen.by_epoch[2]))  # training moved on
+
+
+def test_a_nan_validation_score_never_stays_the_best(tmp_path):
+    report = RankingReport(monitor="val/score")
+    fit_and_test(tmp_path, NanAtEpoch0(**SMALL_SASREC), report)
+    assert (report.best_epoch, report.best_score) == (2, 2.0)
 
 
 def test_the_report_sets_runs_of_the_same_data_side_by_side(tmp_path, capsys):

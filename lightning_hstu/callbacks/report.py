@@ -2,6 +2,7 @@
 baseline and other models' runs on the same data."""
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class RankingReport(Callback):
             logged = ", ".join(k for k in trainer.callback_metrics if k.startswith("val/")) or "none"
             raise KeyError(f"RankingReport monitors {self.monitor!r}, which validation did not log; logged: {logged}")
         score = float(trainer.callback_metrics[self.monitor])
+        score = -math.inf if math.isnan(score) else score  # a NaN epoch never stays the best
         if self.best_score is None or score > self.best_score:
             self.best_score, self.best_epoch = score, trainer.current_epoch
             self._best = [w.detach().clone() for w in pl_module.evaluation_weights()]

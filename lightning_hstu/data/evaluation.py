@@ -3,7 +3,9 @@
 Each held-out item gets a 0-based rank under two rankings: among all items (id 0, no item, excluded), and
 among the items not in the user's history (the history the model saw; the held-out item itself always
 counts). From the ranks: HR@k (the item in the top k), NDCG@k (1 / log2(rank + 2) in the top k, else 0)
-and MRR (1 / (rank + 1)), averaged over users. A tie with the held-out item ranks below it.
+and MRR (1 / (rank + 1)), averaged over users. An item scored the same as the held-out item ranks above it,
+and so does an item scored NaN; a NaN held-out score ranks last: a model that scores everything alike, or
+diverged, gets the worst ranks, never the best.
 """
 
 from collections import Counter
@@ -18,15 +20,19 @@ METRICS = ("HR@1", "HR@10", "HR@50", "NDCG@10", "NDCG@50", "MRR")
 def target_ranks(
     scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor, history_lengths: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The 0-based rank of each target under each of ``RANKINGS``. ``scores`` [B, items + 1], ``targets``
-    [B], ``history`` the item ids of every history back to back, ``history_lengths`` [B]."""
-    scores = scores.float().clone()
-    scores[:, 0] = -torch.inf
-    above = scores > scores.gather(1, targets[:, None])
-    rows = torch.repeat_interleave(torch.arange(len(targets), device=scores.device), history_lengths)
+    """The 0-based rank of each target under each of ``RANKINGS``. ``scores`` [B, items + 1] (float64 kept,
+    others as float32), ``targets`` [B], ``history`` the item ids of every history back to back,
+    ``history_lengths`` [B]."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    samples = torch.arange(len(targets), device=scores.device)
+    target = scores.gather(1, targets[:, None])
+    above = (scores >= target) | scores.isnan() | target.isnan()  # ties and NaN against the target
+    above[:, 0] = False  # id 0 is no item
+    above[samples, targets] = False  # the target itself
+    rows = torch.repeat_interleave(samples, history_lengths)
     seen = torch.zeros_like(above)
     seen[rows, history] = True
-    seen[torch.arange(len(targets), device=scores.device), targets] = False
+    seen[samples, targets] = False
     return {"all": above.sum(1), "unseen": (above & ~seen).sum(1)}
 
 
@@ -53,10 +59,11 @@ def most_popular_ranks(train_items: Sequence[Sequence[int]], evaluation, num_ite
     """``target_ranks`` of the baseline that scores every item by how often it occurs in ``train_items``
     (ties: the smaller id first); ``evaluation`` holds (history, held-out item) pairs."""
     counts = Counter(i for items in train_items for i in items)
-    popularity = torch.zeros(num_items + 1)
+    popularity = torch.zeros(num_items + 1, dtype=torch.float64)
     for item, count in counts.items():
         popularity[item] = count
-    scores = popularity - torch.arange(num_items + 1) * 1e-6  # ties: smaller id first
+    ids = torch.arange(num_items + 1, dtype=torch.float64)
+    scores = popularity * (num_items + 1) - ids  # ties: the smaller id first, exactly (integers in float64)
     ranks = {name: [] for name in RANKINGS}
     for start in range(0, len(evaluation), 256):
         chunk = evaluation[start : start + 256]
