@@ -345,6 +345,14 @@ def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
         small_data(length_buckets=-2)
 
 
+def test_a_loss_scaling_precision_is_refused_before_it_scales_the_tables_updates():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"scales the loss with a GradScaler.*use precision='bf16-mixed' or '32-true'"):
+        fit_hstu(epochs=1, plugins=[scaled], limit_train_batches=2, limit_val_batches=0)
+
+
 def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
     data = small_data()
     data.setup()

@@ -170,6 +170,12 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def configure_model(self) -> None:
         if self.embeddings is not None:
             return
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={self.trainer.precision!r} scales the loss with a GradScaler, but the embedding "
+                f"tables' fused optimizer applies their gradients inside backward, before any unscaling: "
+                f"use precision='bf16-mixed' or '32-true'"
+            )
         data = self.trainer.datamodule
         hp = self.hparams
         num_items, num_users = hp.num_items or data.num_items, hp.num_users or data.num_users
