@@ -4,6 +4,7 @@ nothing is captured, the padded path runs eagerly)."""
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_runs import fit
@@ -116,3 +117,28 @@ def test_gradients_accumulated_over_batches_train_as_under_lightnings_own_loop()
     ]
     assert runs[0][1].global_step == runs[1][1].global_step == 3  # ceil(7 / 3) optimizer steps
     assert_same_training(*runs)
+
+
+class GradientsBeforeTheStep(Callback):
+    """Whether every dense parameter has its gradient when the callbacks' on_before_optimizer_step runs."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append(all(p.grad is not None for p in pl_module.objectives.parameters()))
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("strategy", ["legacy_none", "lightning"])
+def test_callbacks_see_the_reduced_gradients_before_the_optimizer_step(strategy):
+    watch = GradientsBeforeTheStep()
+    fit_hstu(
+        epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        callbacks=[watch],
+        strategy=HSTUPipelineStrategy(engine=False) if strategy == "lightning" else HSTUPipelineStrategy(strategy),
+        model_kwargs=SAMPLED,
+    )
+    assert watch.seen == [True, True, True]

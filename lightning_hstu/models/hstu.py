@@ -318,8 +318,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     # ----- under Lightning's own loop (HSTUPipelineStrategy(engine=False)): the same step, unpipelined --
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        if self._unpipelined_batch is not None:
+    def on_after_backward(self) -> None:
+        # Right after backward, as the engine's finalize task: Lightning's GradScaler unscaling and the
+        # callbacks' on_before_optimizer_step run before this module's hook and must see the gradients.
+        if self._unpipelined_batch is not None and not self.trainer.fit_loop.epoch_loop._should_accumulate():
             self._finalize_grads(self._unpipelined_batch)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
