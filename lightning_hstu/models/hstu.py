@@ -248,7 +248,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         b["embeddings"] = self.embeddings.compute_output_dist(b["sparse_input"])
 
     def hstu_finalize_model_grads(self, b: BatchView):
-        step = self.trainer.strategy.step_context
+        trainer = self._trainer  # None where an Engine runs these tasks without a Trainer
+        step = None if trainer is None else getattr(trainer.strategy, "step_context", None)
         if step is not None and step.accumulating:
             # Inside an accumulation window the gradients stay in megatron's buffers, unreduced, and .grad
             # stays None: a .grad pointing at the buffer would be added into it a second time by the next
