@@ -6,6 +6,7 @@ negatives for the retrieval loss), ``action`` (one per event), ``user`` (context
 not embedded: ``time`` (one per event, seconds) and, for evaluation, ``target`` (the held-out item).
 """
 
+import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,10 @@ def leave_two_out(histories: Sequence[History], max_len: int) -> Split:
 
 
 class Collate:
-    """Samples -> HSTUBatch, with ``negatives`` uniform item ids per sample (seeded, reproducible).
+    """Samples -> HSTUBatch, with ``negatives`` uniform item ids per sample, drawn from a generator seeded by
+    ``seed`` and the batch's users in order: each batch its own draw, the same whichever loader worker
+    collates it, in whatever epoch, and after a resume (a generator carried from batch to batch gave every
+    worker the same draws, the same again each epoch, and restarted at a resume).
 
     ``rows``: each feature's table size; a batch with an id outside it raises ``IdError`` here, in the
     loader, where checking costs no wait for a GPU."""
@@ -72,12 +76,14 @@ class Collate:
     ):
         self.num_items, self.negatives, self.with_targets = num_items, negatives, with_targets
         self.rows = dict(rows or {})
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
 
     def __call__(self, samples: list) -> HSTUBatch:
         histories = [s[0] for s in samples] if self.with_targets else samples
         lengths = [len(h.items) for h in histories]
-        negatives = torch.randint(1, self.num_items + 1, (len(histories) * self.negatives,), generator=self.generator)
+        count = len(histories) * self.negatives
+        generator = self._generator(histories) if count else None
+        negatives = torch.randint(1, self.num_items + 1, (count,), generator=generator)
         values = [
             torch.tensor([i for h in histories for i in h.items]),
             negatives,
@@ -96,6 +102,11 @@ class Collate:
         )
         check_ids(features, self.rows, lambda sample: f"user {histories[sample].user}")
         return HSTUBatch(features, sequence_keys=("item", "action", "time"))
+
+    def _generator(self, histories: list[History]) -> torch.Generator:
+        users = torch.tensor([h.user for h in histories], dtype=torch.int64).numpy().tobytes()
+        digest = hashlib.blake2b(users, digest_size=8, key=str(self.seed).encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 class LengthBuckets(Sampler[int]):
