@@ -125,6 +125,7 @@ def test_the_watchdog_can_skip_the_step_instead():
     weights = DenseWeights()
     model, trainer, recorder = fit_hstu(SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[weights])
     assert model.skipped_batches == [3]
+    assert recorder.losses[3] == 0.0  # the skipped batch's loss is an exact zero, not NaN
     assert trainer.global_step == 12  # training went on to the end of the epoch
     for before, after in zip(weights.after[2], weights.after[3]):
         assert torch.equal(before, after)  # the skipped batch changed no dense weight

@@ -404,7 +404,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             return loss
         self._nonfinite.add(batch_idx)
         zero = sum(p.sum() for p in self.objectives.parameters()) * 0.0
-        return zero + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
+        zero = zero + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
+        return zero.nan_to_num(0.0, 0.0, 0.0)  # non-finite embeddings times 0 are NaN: zero, and zero gradients
 
     def _log_step(self, batch_size: int, loss: torch.Tensor, retrieval: torch.Tensor, ranking: torch.Tensor) -> None:
         """The loss, its two parts and the shuffler's balance at the steps where Lightning writes metrics to
