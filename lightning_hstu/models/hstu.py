@@ -170,7 +170,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def configure_model(self) -> None:
         if self.embeddings is not None:
             return
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+        if self.trainer.state.fn == "fit" and getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 f"precision={self.trainer.precision!r} scales the loss with a GradScaler, but the embedding "
                 f"tables' fused optimizer applies their gradients inside backward, before any unscaling: "
