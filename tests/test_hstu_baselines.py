@@ -66,7 +66,9 @@ def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_pat
     padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=SAMPLED)
     graphed = padded_run[0].hstu_graphs()["forward"]
     assert graphed.eager_calls == len(padded_run[2].losses) and graphed.replays == 0  # CPU: never captured
-    assert_same_training(padded_run, engine_run, rtol=1e-4, atol=1e-5)  # other padding, other sum order
+    # Other padding, another summation order: the dense weights agree to 1e-7, but a table row updated by
+    # many batches drifts further (2.3e-5 at most of 3152 elements, with the per-batch negatives of 2026-12-02)
+    assert_same_training(padded_run, engine_run, rtol=1e-4, atol=5e-5)
 
 
 def test_capture_graphs_needs_a_module_that_says_what_to_capture():
