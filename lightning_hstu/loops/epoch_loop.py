@@ -169,7 +169,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer._logger_connector.on_batch_start(batch)
         if batch is None:
             _warnings.warn("train_dataloader yielded None. If this was on purpose, ignore this warning...")
-            self._tasks.current = TrainBatch(batch_idx, OrderedDict(), False, self._context(step, False), skip=True)
+            self._tasks.current = TrainBatch(batch_idx, OrderedDict(), False, self._context(step), skip=True)
             return True
         call._call_callback_hooks(trainer, "on_train_batch_start", batch, batch_idx)
         response = call._call_lightning_module_hook(trainer, "on_train_batch_start", batch, batch_idx)
@@ -182,8 +182,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             return False
         self.batch_progress.increment_started()
         kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
-        accumulating = self._should_accumulate()
-        self._tasks.current = TrainBatch(batch_idx, kwargs, accumulating, self._context(step, accumulating))
+        self._tasks.current = TrainBatch(batch_idx, kwargs, self._should_accumulate(), self._context(step))
         trainer.profiler.start("run_training_batch")  # Lightning's section: this batch's lookahead-0 tasks
         self._profiling = True
         return True
@@ -225,9 +224,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer._logger_connector.update_train_step_metrics()
         self._records = []
 
-    def _context(self, step: int, accumulating: bool) -> StepContext:
+    def _context(self, step: int) -> StepContext:
         engine = self._engine
-        return StepContext(step, engine.slots(step), accumulating, engine, self._strategy.all_ranks)
+        return StepContext(step, engine.slots(step), engine, self._strategy.all_ranks)
 
     def _is_last(self, step: int) -> bool:
         # The ring has pulled ahead, so the end of data is usually known already (always with depth >= 2).

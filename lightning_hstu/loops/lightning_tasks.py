@@ -80,6 +80,8 @@ class LightningTasks:
             hook = getattr(module, f"hstu_{task.name}", None)
             if task.name in LIGHTNING_BODIES:
                 bodies[task.name] = getattr(self, task.name)
+            elif task.name == "finalize_model_grads" and callable(hook):
+                bodies[task.name] = self._at_optimizer_steps(task, hook)
             elif task.name in HSTU_HOOKS and callable(hook):
                 bodies[task.name] = hook
             else:
@@ -119,7 +121,7 @@ class LightningTasks:
             return SKIPPED
         strategy = self.trainer.strategy
         with self._lightning:
-            if batch.should_accumulate and not strategy.handles_gradient_accumulation:
+            if self._accumulating(batch):
                 batch.no_sync.enter_context(_block_parallel_sync_behavior(strategy, block=True))
             batch.result = self._automatic._training_step(batch.kwargs)
         b["loss"] = batch.result
@@ -140,7 +142,7 @@ class LightningTasks:
 
     def optimizer_step(self, b: BatchView) -> Any:
         batch = self._batch(b)
-        accumulating = batch.should_accumulate and not self.trainer.strategy.handles_gradient_accumulation
+        accumulating = self._accumulating(batch)
         b["stepped"] = not (accumulating or batch.skip)
         if accumulating or batch.skip:
             return SKIPPED
@@ -150,7 +152,25 @@ class LightningTasks:
             # closure they call returns the loss that forward and backward already produced.
             self._automatic._optimizer_step(batch.batch_idx, lambda: result.loss)
 
+    def _at_optimizer_steps(self, task: PlanTask, hook):
+        """The module's ``hstu_finalize_model_grads``, run only for the batches that end in an optimizer step:
+        inside an accumulation window Lightning neither syncs nor steps, and a finalisation there (a gradient
+        all-reduce, ``.grad`` pointed at a buffer the next backward adds into, clipping) would act on a
+        partial sum. The same on every rank (the window depends on the batch index only)."""
+
+        def body(b: BatchView) -> Any:
+            if self._accumulating(self._batch(b)):
+                for slot in task.writes:
+                    b[slot] = None
+                return SKIPPED
+            return hook(b)
+
+        return body
+
     # ----- helpers ---------------------------------------------------------------------------------
+
+    def _accumulating(self, batch: TrainBatch) -> bool:
+        return batch.should_accumulate and not self.trainer.strategy.handles_gradient_accumulation
 
     @property
     def _automatic(self):

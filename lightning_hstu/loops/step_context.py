@@ -19,9 +19,6 @@ class StepContext:
     slots: Mapping[str, Any]
     """The batch's slots, read-only: what the tasks of earlier steps and this step's tasks before the
     reader wrote (``embeddings`` and ``global_tokens`` for ``training_step``)."""
-    accumulating: bool
-    """The batch's gradients carry over to the next batch (``Trainer(accumulate_grad_batches)``): no
-    optimizer step after this one, so nothing to reduce or finalize yet."""
     _engine: Engine
     _all_ranks: Callable[[bool], bool]
 

@@ -247,16 +247,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def hstu_compute_output_dist(self, b: BatchView) -> None:
         b["embeddings"] = self.embeddings.compute_output_dist(b["sparse_input"])
 
-    def hstu_finalize_model_grads(self, b: BatchView):
-        trainer = self._trainer  # None where an Engine runs these tasks without a Trainer
-        step = None if trainer is None else getattr(trainer.strategy, "step_context", None)
-        if step is not None and step.accumulating:
-            # Inside an accumulation window the gradients stay in megatron's buffers, unreduced, and .grad
-            # stays None: a .grad pointing at the buffer would be added into it a second time by the next
-            # batch's backward hooks. The window's last batch finalizes, as Lightning's own loop does.
-            b["reduced_grads"] = False
-            return SKIPPED
-        self._finalize_grads(b.index)
+    def hstu_finalize_model_grads(self, b: BatchView) -> None:
+        self._finalize_grads(b.index)  # under the strategy, only at optimizer steps (not inside accumulation)
         b["reduced_grads"] = True
 
     def hstu_watchdog(self, b: BatchView) -> None:
