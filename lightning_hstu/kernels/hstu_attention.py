@@ -1108,6 +1108,12 @@ def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width])
 
 
+def _sequences(q, offsets, timestamps, ranges, position, time) -> tuple:
+    """The arguments all three kernels take after their tensors, in order: the sequences' offsets and token
+    count, the times and the tiles' time ranges, and the two bias tables."""
+    return offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time
+
+
 def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[torch.Tensor, dict]:
     """The forward kernel's output and what the backward needs besides q, k, v and the inputs."""
     sizes = _sizes(q, v, position, time, max_len)
@@ -1120,13 +1126,7 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
         _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
         out,
-        offsets,
-        q.shape[0],
-        timestamps,
-        ranges,
-        ranges.shape[1],
-        position,
-        time,
+        *_sequences(q, offsets, timestamps, ranges, position, time),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -1145,7 +1145,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
     d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
     ranges, sizes, configs, max_len = state["ranges"], state["sizes"], state["configs"], state["max_len"]
-    common = (offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time)
+    common = _sequences(q, offsets, timestamps, ranges, position, time)
     constants = dict(
         **sizes, TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())), RANGE_BLOCK=state["range_block"]
     )
