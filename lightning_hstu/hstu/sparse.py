@@ -23,6 +23,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from .. import known_warnings  # noqa: F401  (TorchRec's lookups ask torch.fx whether they are traced)
+from . import recat
 from .batch import check_ids
 
 
@@ -61,6 +62,7 @@ class ShardedEmbeddings(torch.nn.Module):
                 f"fraction (0, 1] of each table in GPU memory, the rest in host memory (UVM), "
                 f"with fbgemm-gpu's CUDA kernels; use None on CPU"
             )
+        recat.memoize()  # the input distribution's per-batch index, without a wait for the GPU each step
         collection = EmbeddingCollection(tables=list(tables), device=torch.device("meta"))
         apply_optimizer_in_backward(optimizer, collection.parameters(), optimizer_kwargs or {"lr": 0.05})
         world = dist.get_world_size()
