@@ -99,6 +99,52 @@ def test_hooks_logging_validation_checkpoints_and_early_stopping_match_lightning
     assert_same_weights(model, e_model)
 
 
+class LogsNowAndThen(ToyRecommender):
+    """Also logs a value on the progress bar at batches 1 and 5 only (1000 + the batch index)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx in (1, 5):
+            self.log("now_and_then", torch.tensor(1000.0 + batch_idx), prog_bar=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_a_value_logged_now_and_then_is_turned_into_a_number_per_log_not_per_step(tmp_path, monkeypatch):
+    """Lightning turns every value shown on the progress bar into a number at every batch end, also one
+    logged steps ago: on a GPU a copy to the host that waits for the device, each step. Under the engine a
+    value logged for steps only is converted until the loggers have had it (log_every_n_steps=3: batches
+    2, 5 and 8 write), then no more; the progress bar, callback_metrics and the logger still get it."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    converted = []
+
+    def convert(value):
+        number = convert_tensors_to_scalars(value)
+        if number >= 1000:
+            converted.append(number)
+        return number
+
+    convert_tensors_to_scalars = result.convert_tensors_to_scalars
+    monkeypatch.setattr(result, "convert_tensors_to_scalars", convert)
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    _, trainer = fit(
+        HSTUPipelineStrategy("default_d6"), model_cls=LogsNowAndThen, max_steps=9, log_every_n_steps=3, logger=logger
+    )
+    # batch 1's end; batch 2's, twice (the batch end, then the write); batch 5's, twice; none after
+    assert converted == [1001.0] * 3 + [1005.0] * 2
+    assert trainer.progress_bar_metrics["now_and_then"] == 1005.0
+    assert float(trainer.callback_metrics["now_and_then"]) == 1005.0
+    rows = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("now_and_then")
+    step = rows[0].split(",").index("step")
+    written = [(int(r.split(",")[step]), float(r.split(",")[column])) for r in rows[1:] if r.split(",")[column]]
+    assert written == [(2, 1001.0), (5, 1005.0)]
+
+    converted.clear()
+    fit("auto", model_cls=LogsNowAndThen, max_steps=9, log_every_n_steps=3)
+    assert len(converted) == 8 + 3  # Lightning's own loop: every batch end from batch 1 on, and the 3 writes
+
+
 def test_every_preset_is_registered_by_name():
     trainer = pl.Trainer(strategy="hstu_full_split_d6", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, HSTUPipelineStrategy)

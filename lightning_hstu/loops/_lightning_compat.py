@@ -35,6 +35,9 @@ MIRRORED = {
     "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_start": "5022a98e255d31b5a694dfa29677ea5a4372e216ab38cbaf692444535f9e0263",
     "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.on_batch_end": "87c0a9cd43e97f9da3c0e87163f0d167a0b739ade3b71f7ad15eca78c63a47b0",
     "lightning.pytorch.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.update_train_step_metrics": "44584c0c55de3464faa21a3aa765ddbd4890dc125aff469e453b38fde5b4f07e",
+    "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.valid_items": "ba5e622c4d38249d20c4f6dea33dbad5055ccbed422fa2437f78d031dda95bdf",
+    "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.update_metrics": "61e950f1f1d25eea877940bf905b4a318ce3876b6174b78865eec44de4855e54",
+    "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.metrics": "253a052f55f98a769c577e7fc2edb0816c60842688186229dc12bee7cdc42f49",
     "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance": "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""

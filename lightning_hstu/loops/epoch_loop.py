@@ -222,6 +222,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
         trainer._logger_connector.on_batch_end()
         self.batch_progress.increment_completed()
         trainer._logger_connector.update_train_step_metrics()
+        if _wrote_step_metrics(trainer):
+            _retire_step_values(trainer)
         self._records = []
 
     def _context(self, step: int) -> StepContext:
@@ -307,3 +309,27 @@ def _sizes(sizes: list[int | None]) -> str:
 
 
 __all__ = ["EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]
+
+
+def _wrote_step_metrics(trainer) -> bool:
+    """Whether ``_LoggerConnector.update_train_step_metrics`` just gave the step's values to the loggers (its
+    conditions: not inside an accumulation window under automatic optimization; a logging step)."""
+    connector = trainer._logger_connector
+    if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return False
+    return bool(connector.should_update_logs or trainer.fast_dev_run)
+
+
+def _retire_step_values(trainer) -> None:
+    """Takes the values logged for steps only (``on_step=True, on_epoch=False``) out of Lightning's results
+    once the loggers have them. Lightning keeps the last one of each and, at every later batch end, turns
+    those shown in the progress bar into numbers again (``convert_tensors_to_scalars``): a copy to the host
+    that waits for the whole queue of the current CUDA stream, each step, for a value logged every
+    ``log_every_n_steps``. The progress bar, ``callback_metrics`` and ``logged_metrics`` keep the last values
+    (Lightning updates them, never clears them); the next ``self.log`` of a key brings it back."""
+    results = trainer._results
+    if results is None:
+        return
+    for _, metric in results.valid_items():
+        if metric.meta.on_step and not metric.meta.on_epoch:
+            metric.has_reset = True
