@@ -1,12 +1,29 @@
 """The ranking metrics every model and the most-popular baseline are measured by."""
 
 import math
+import sys
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
-from lightning_hstu.data.evaluation import METRICS, mean_metrics, metric_values, most_popular_ranks, target_ranks
-from lightning_hstu.data.histories import History
+from ranks import run_on_ranks, run_script
+
+from lightning_hstu.data.evaluation import (
+    METRICS,
+    NO_TARGET,
+    RANKINGS,
+    mean_metrics,
+    metric_values,
+    most_popular_ranks,
+    target_ranks,
+)
+from lightning_hstu.data.histories import Collate, History, SyntheticHistories
+from lightning_hstu.models.ranking import RankingEvaluation
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def test_the_held_out_item_is_ranked_among_all_items_and_among_the_unseen_ones():
@@ -60,3 +77,88 @@ def test_the_most_popular_baseline_breaks_ties_by_id_at_any_count():
     train = [(5,) * 3000 + (2,) * 3000 + (1,) * 2999]  # 2 and 5 tie at 3000: 2 first, then 5, then 1
     evaluation = [(History(1, (), (), ()), 5), (History(2, (), (), ()), 2), (History(3, (), (), ()), 1)]
     assert most_popular_ranks(train, evaluation, num_items=6)["all"].tolist() == [1, 0, 2]
+
+
+class _Scored(RankingEvaluation, pl.LightningModule):
+    """RankingEvaluation with fixed scores per user, recording the names it logs."""
+
+    def __init__(self, scores_by_user: dict[int, list[float]]):
+        super().__init__()
+        self.scores_by_user, self.logged = scores_by_user, set()
+
+    def score_items(self, batch):
+        users = batch.features["user"].values().tolist()
+        return torch.tensor([self.scores_by_user[u] for u in users])
+
+    def log(self, name, value, **kwargs):
+        self.logged.add(name)
+
+    def means(self, *batches) -> dict[str, float]:
+        for pairs in batches:
+            self._log_ranks("val", Collate(num_items=4, negatives=0, seed=0, with_targets=True)(pairs))
+        return {key: float(mean.compute()) for key, mean in self.ranking_means.items() if key.startswith("val")}
+
+
+def test_filler_samples_count_in_no_metric():
+    """On several ranks the shorter shares of the evaluation pairs are filled up with a filler (target
+    NO_TARGET): the stage's means are those of the real samples alone, whatever batches the fillers are in."""
+    one, two = History(1, (2, 3), (0, 0), (1, 2)), History(2, (4,), (0,), (1,))
+    scores = {1: [0.0, 0.1, 0.9, 0.2, 0.3], 2: [0.0, 0.9, 0.1, 0.2, 0.3]}  # user 1's target ranks 4th, 2's 1st
+    model = _Scored(scores)
+    expected = model.means([(one, 1), (two, 1)])
+    assert expected["val_all_HR_at_1"] == 0.5 and expected["val_all_MRR"] == pytest.approx((1 / 4 + 1) / 2)
+    assert model.logged == {f"val/{r}/{m}" for r in RANKINGS for m in METRICS}
+    assert _Scored(scores).means([(one, 1), (two, 1), (one, NO_TARGET)]) == expected
+    assert _Scored(scores).means([(one, 1)], [(two, NO_TARGET)], [(two, 1), (one, NO_TARGET)]) == expected
+
+
+def _evaluation_shares(rank, world):
+    data = SyntheticHistories(num_users=11, num_items=30, max_seq_len=20, batch_size=2, seed=3)
+    data.setup()
+    loader = data.val_dataloader()
+    seen = []
+    for batch in loader:
+        users = batch.features["user"].values().tolist()
+        seen.append(list(zip(users, batch.features["target"].values().tolist())))
+    expected = sorted((h.user, target) for h, target in data.validation)
+    return {"seen": seen, "distributed": isinstance(loader.sampler, DistributedSampler), "expected": expected}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_on_several_ranks_every_validation_user_is_evaluated_once(world, tmp_path):
+    """Each rank evaluates its share of the pairs, as many batches as the others (the sharded tables'
+    lookups are collectives); the shares together hold every pair once, the fillers aside (Lightning's
+    DistributedSampler would repeat up to world - 1 real users instead), and Lightning leaves the sampler
+    in place (a DistributedSampler)."""
+    ranks = run_on_ranks(_evaluation_shares, tmp_path, world=world)
+    assert all(r["distributed"] for r in ranks)
+    assert len({len(r["seen"]) for r in ranks}) == 1  # the same number of batches on every rank
+    samples = [pair for r in ranks for batch in r["seen"] for pair in batch]
+    counted = sorted(pair for pair in samples if pair[1] != NO_TARGET)
+    assert counted == ranks[0]["expected"]  # each pair once
+    assert len(ranks[0]["expected"]) % world != 0  # (so that some rank has a filler)
+    assert len(samples) - len(counted) == world - len(ranks[0]["expected"]) % world
+
+
+def test_validation_on_two_ranks_gives_the_metrics_of_every_user_once(tmp_path):
+    """Trainer.validate under Lightning's DDP on two processes: the logged metrics are the means over the
+    validation users, each counted once."""
+    sys.path.insert(0, str(SCRIPTS))
+    from validate_two_ranks import DATA, fixed_scores
+
+    out = tmp_path / "metrics.pt"
+    result = run_script(SCRIPTS / "validate_two_ranks.py", tmp_path, out, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = torch.load(out)
+    data = SyntheticHistories(**DATA)
+    data.setup()
+    histories = [h for h, _ in data.validation]
+    history = torch.tensor([i for h in histories for i in h.items])
+    lengths = torch.tensor([len(h.items) for h in histories])
+    users = torch.tensor([h.user for h in histories])
+    targets = torch.tensor([t for _, t in data.validation])
+    expected = mean_metrics(target_ranks(fixed_scores(users, data.num_items), targets, history, lengths))
+    assert len(histories) % 2 == 1  # one rank's share is filled up
+    for ranking, metrics in expected.items():
+        for name, value in metrics.items():
+            assert logged[f"val/{ranking}/{name}"] == pytest.approx(value, rel=1e-6), (ranking, name)

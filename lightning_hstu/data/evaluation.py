@@ -15,6 +15,8 @@ import torch
 
 RANKINGS = {"all": "ranked among all items", "unseen": "ranked among items not in the user's history"}
 METRICS = ("HR@1", "HR@10", "HR@50", "NDCG@10", "NDCG@50", "MRR")
+NO_TARGET = 0
+"""The target of a filler sample (id 0 is no item): evaluated like the others, counted in no metric."""
 
 
 def target_ranks(

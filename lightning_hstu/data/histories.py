@@ -7,17 +7,19 @@ not embedded: ``time`` (one per event, seconds) and, for evaluation, ``target`` 
 """
 
 import hashlib
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..hstu.batch import HSTUBatch, check_ids
-from .evaluation import mean_metrics, most_popular_ranks
+from .evaluation import NO_TARGET, mean_metrics, most_popular_ranks
 
 SPARSE_KEYS = ("item", "item_neg", "action", "user")
 
@@ -144,6 +146,27 @@ class _ListDataset(Dataset):
         return self.items[index]
 
 
+class EvaluationShares(DistributedSampler):
+    """One rank's share of the evaluation pairs, in order (rank r takes pairs r, r + world, ...), the shorter
+    shares filled up to the longest with the dataset's last entry, a filler pair (``NO_TARGET``), so that
+    every rank runs as many batches (the sharded tables' lookups are collectives). Lightning's own
+    ``DistributedSampler`` fills up with real pairs instead, which up to world - 1 users then count twice in
+    the metrics; being a ``DistributedSampler``, this one is left in place by Lightning."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.pairs = len(dataset) - 1  # the last entry is the filler
+        self.num_samples = math.ceil(self.pairs / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        share = list(range(self.rank, self.pairs, self.num_replicas))
+        return iter(share + [self.pairs] * (self.num_samples - len(share)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 class HistoryDataModule(pl.LightningDataModule):
     """Leave-two-out training, validation and test over a set of user histories (subclasses load them).
 
@@ -229,10 +252,18 @@ class HistoryDataModule(pl.LightningDataModule):
         return self._evaluation_loader(self.test)
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
+        """Every pair once. On several ranks each takes its share (``EvaluationShares``), the shorter shares
+        filled up with a pair whose target is ``NO_TARGET``, which ``RankingEvaluation`` leaves out."""
         pairs = sorted(pairs, key=lambda pair: len(pair[0].items))  # like lengths batched: less padding
+        dataset, sampler = _ListDataset(pairs), None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and pairs:
+            dataset = _ListDataset([*pairs, (pairs[0][0], NO_TARGET)])
+            sampler = EvaluationShares(dataset, world, dist.get_rank())
         return DataLoader(
-            _ListDataset(pairs),
+            dataset,
             batch_size=self.batch_size,
+            sampler=sampler,
             collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows()),
         )
 
