@@ -23,6 +23,8 @@ _lock = threading.Lock()
 
 
 class _Memoized:
+    """``build`` (TorchRec's ``_get_recat``) with its results kept per arguments."""
+
     def __init__(self, build):
         self.build = build
         self.built: dict[tuple, torch.Tensor | None] = {}

@@ -308,9 +308,6 @@ def _sizes(sizes: list[int | None]) -> str:
     return ", ".join(str(size) for size in sizes)
 
 
-__all__ = ["EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]
-
-
 def _wrote_step_metrics(trainer) -> bool:
     """Whether ``_LoggerConnector.update_train_step_metrics`` just gave the step's values to the loggers (its
     conditions: not inside an accumulation window under automatic optimization; a logging step)."""
@@ -333,3 +330,6 @@ def _retire_step_values(trainer) -> None:
     for _, metric in results.valid_items():
         if metric.meta.on_step and not metric.meta.on_epoch:
             metric.has_reset = True
+
+
+__all__ = ["EngineEpochLoop", "EngineFitLoop", "install_engine_loop"]
