@@ -1,0 +1,108 @@
+"""Times versions of the package beside each other on the user's path: each version runs
+``profile_user_path.py`` in a process of its own, the versions in turns (round-robin, ``--rounds`` times), so
+that a machine's drift over a lease falls on each alike; per process, the median of its windows.
+
+    python benchmarks/package_ab.py 0b6be9d HEAD --rounds 3 -- --workload light --preset legacy_none --graphs \\
+        --on-nonfinite-loss stop --batches 110 --warmup 300 --steps 700 --every 100
+
+A version is a git revision (its ``lightning_hstu`` exported with ``git archive``), a directory holding a
+``lightning_hstu`` package (a copy with a change under trial), or ``plain`` (``profile_user_path.py --plain``
+with the first version's package). Everything after ``--`` goes to ``profile_user_path.py``. ``--cpus 0-7``
+pins every process to those cores. Prints each round's ms/step per version, then per version the median
+over rounds and, against the first version, each round's difference and in how many rounds it was faster.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
+
+
+def export(version: str, into: Path) -> Path:
+    """The directory whose ``lightning_hstu`` is ``version``'s."""
+    if version == "plain":
+        return into
+    if (Path(version) / "lightning_hstu").is_dir():
+        return Path(version).resolve()
+    target = into / version.replace("/", "_")
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", version, "lightning_hstu"], cwd=HERE.parent, capture_output=True, check=False
+    )
+    if archive.returncode:
+        raise SystemExit(
+            f"version {version!r}: neither a directory with lightning_hstu/ nor a git revision "
+            f"({archive.stderr.decode().strip()})"
+        )
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def cores(spec: str | None) -> set[int] | None:
+    if not spec:
+        return None
+    out = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def run(package: Path, plain: bool, args: list[str], cpus: set[int] | None) -> tuple[float, str]:
+    """One process of ``profile_user_path.py``: the median of its windows' ms/step, and its output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *(["--plain"] if plain else [])]
+    result = subprocess.run(
+        command,
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    windows = [float(m) for m in WINDOW.findall(result.stdout)]
+    if result.returncode or not windows:
+        raise SystemExit(f"{' '.join(command)} (PYTHONPATH {package}) failed:\n{result.stderr[-3000:]}")
+    return statistics.median(windows), " ".join(f"{w:.2f}" for w in windows)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    passed = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("versions", nargs="+", help="git revisions, package directories, or plain")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpus", help="pin the processes to these cores, e.g. 0-7")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.versions[0] == "plain":
+        raise SystemExit("the first version is the baseline and gives plain its package: name a revision first")
+    pinned = cores(args.cpus)
+    with tempfile.TemporaryDirectory() as scratch:
+        packages = {v: export(v, Path(scratch)) for v in args.versions}
+        packages["plain"] = packages[args.versions[0]]
+        medians: dict[str, list[float]] = {v: [] for v in args.versions}
+        for round_ in range(1, args.rounds + 1):
+            for version in args.versions:
+                median, windows = run(packages[version], version == "plain", passed, pinned)
+                medians[version].append(median)
+                print(f"round {round_} {version:>14}: {median:6.2f} ms/step  (windows {windows})", flush=True)
+    base = medians[args.versions[0]]
+    print("\nmedian over rounds, and against the first version round by round:")
+    for version, values in medians.items():
+        deltas = [v - b for v, b in zip(values, base)]
+        faster = sum(d < 0 for d in deltas)
+        line = f"{version:>14}: {statistics.median(values):6.2f} ms/step"
+        if version != args.versions[0]:
+            line += f"  ({', '.join(f'{d:+.2f}' for d in deltas)}; faster in {faster} of {len(deltas)})"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
