@@ -3,6 +3,7 @@ that compares every rank's collective sequence (CollectiveInventoryCallback(comp
 launch the same collectives in the same order, finish, and agree on the dense weights; a rank that
 launches one collective more is reported, by every rank, instead of hanging them."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,35 @@ def test_a_rank_that_launches_one_collective_more_is_reported(tmp_path):
     assert result.returncode != 0
     assert "collectives differ between ranks" in result.stderr
     assert "rank 1 ('finish_shuffle'" in result.stderr and "'allreduce')" in result.stderr
+
+
+def test_validate_and_test_on_two_ranks_keep_each_ranks_table_shards(tmp_path):
+    """trainer.validate and trainer.test after fit, on two ranks: before them Lightning's DDP broadcasts the
+    module's states from rank 0 (no DDP wrapper outside fit); the sharded tables are left out of it, so each
+    rank keeps its own shard (before, the broadcast failed on shards of different sizes, and would have
+    copied rank 0's shard over the others on shards of equal size), and both ranks report the same metrics."""
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "hstu_evaluate_ranks.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out,
+        env=launch_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["users"] % 2 == 1  # one rank's share of the users is filled up
+    for rank in ranks:
+        assert rank["after_fit"].keys() == rank["after_evaluation"].keys()
+        for name, shard in rank["after_fit"].items():
+            assert torch.equal(rank["after_evaluation"][name], shard), name
+    assert any(  # the shards differ between ranks (row-wise): there was something to overwrite
+        not torch.equal(ranks[0]["after_fit"][k], ranks[1]["after_fit"][k])
+        for k in ranks[0]["after_fit"]
+        if ranks[0]["after_fit"][k].shape == ranks[1]["after_fit"][k].shape
+    )
+    assert ranks[0]["validated"] == ranks[1]["validated"] and ranks[0]["tested"] == ranks[1]["tested"]
+    assert set(ranks[0]["validated"]) >= {"val/all/HR@10", "val/unseen/NDCG@10"}
+    assert all(math.isfinite(v) for v in [*ranks[0]["validated"].values(), *ranks[0]["tested"].values()])

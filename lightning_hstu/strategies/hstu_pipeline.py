@@ -131,6 +131,8 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            _keep_shards_local(trainer.lightning_module)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or not self.use_engine:
             return
@@ -298,3 +300,23 @@ class HSTUPipelineStrategy(DDPStrategy):
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()
         super().teardown()
+
+
+def _keep_shards_local(module: torch.nn.Module) -> None:
+    """Adds the parameters and buffers of every TorchRec ``DistributedModelParallel`` in ``module`` to its
+    ``_ddp_params_and_buffers_to_ignore``. Before validate, test and predict, Lightning's DDP broadcasts all of
+    a module's states from rank 0 (``_sync_module_states``, as there is no DDP wrapper then); sharded tables
+    hold a different shard on every rank, so that broadcast would fail on shards of different sizes and
+    overwrite the other ranks' shards with rank 0's on shards of equal size. The replicated states are still
+    broadcast."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    sharded = tuple(f"{name}." for name, sub in module.named_modules() if isinstance(sub, DistributedModelParallel))
+    if not sharded:
+        return
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    # the names the broadcast goes by: the module's own (DistributedModelParallel renames its members)
+    for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+        if name.startswith(sharded):
+            ignored.add(name)
+    module._ddp_params_and_buffers_to_ignore = sorted(ignored)
