@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import launch_env
+from ranks import launch_env, run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "hstu_ranks.py"
 STEPS = 100
@@ -55,14 +55,7 @@ def test_validate_and_test_on_two_ranks_keep_each_ranks_table_shards(tmp_path):
     copied rank 0's shard over the others on shards of equal size), and both ranks report the same metrics."""
     out = tmp_path / "out"
     out.mkdir()
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / "hstu_evaluate_ranks.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out,
-        env=launch_env(),
-    )
+    result = run_script(SCRIPT.parent / "hstu_evaluate_ranks.py", out, out, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0]["users"] % 2 == 1  # one rank's share of the users is filled up
