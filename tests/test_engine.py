@@ -2,6 +2,7 @@
 sequential baseline; fill, drain, early stop; records."""
 
 import threading
+import time
 
 import pytest
 
@@ -89,6 +90,60 @@ def test_stopping_early_keeps_the_engine_for_the_next_epoch():
         workload.runs.clear()
         engine.run(range(4))
     assert_all_invariants(plan, workload.runs, 4)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("name", ["legacy_none", "default_d6"])
+def test_the_loader_thread_pulls_the_next_batch_while_a_step_runs(name):
+    """With a step timeout the batches come through the loader thread, which is asked for batch k + depth
+    as soon as it has given batch k + depth - 1: step k's optimizer step waits here until that pull began."""
+    plan = get_plan(name)
+    asked: dict[int, threading.Event] = {}
+
+    def batches():
+        for index in range(8):
+            asked.setdefault(index, threading.Event()).set()
+            yield index
+
+    workload = TracingWorkload(plan)
+    bodies = workload.bodies()
+    optimizer_step = bodies["optimizer_step"]
+
+    def optimizer_step_after_the_pull_ahead(batch):
+        ahead = batch.index + plan.depth
+        if ahead < 8:
+            assert asked.setdefault(ahead, threading.Event()).wait(20), f"batch {ahead} not asked for during step"
+        return optimizer_step(batch)
+
+    bodies["optimizer_step"] = optimizer_step_after_the_pull_ahead
+    with Engine(plan, bodies, step_timeout=60) as engine:
+        engine.run(batches())
+    assert_all_invariants(plan, workload.runs, 8)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_a_run_cut_short_waits_for_the_pull_ahead_and_leaves_the_iterator_alone():
+    plan = get_plan("default_d3")
+    pulled = []
+
+    def batches():
+        for index in range(20):
+            if index == plan.depth + 3:
+                time.sleep(0.2)  # still pulling when the run is cut short
+            pulled.append(index)
+            yield index
+
+    workload = TracingWorkload(plan)
+    with Engine(plan, workload.bodies(), step_timeout=60) as engine:
+        for result in engine.steps(batches()):
+            if result.batch == 3:
+                break
+        # batches 0 .. 3 + depth - 1 went into the ring, the next one was pulled ahead and is dropped
+        assert pulled == list(range(plan.depth + 4))
+        workload.runs.clear()
+        engine.run(range(4))  # the next epoch pulls from its own iterator
+    assert_all_invariants(plan, workload.runs, 4)
+    assert pulled == list(range(plan.depth + 4))
 
 
 def test_records_mark_skipped_tasks_and_time_waits():

@@ -117,7 +117,7 @@ def test_a_rank_stopped_in_its_loader_is_reported_in_the_per_batch_agreement(tmp
     ) in report
     assert "thread 'loader': pulling batch" in report
     assert "in all_ranks" in report  # the agreement is where the pull waits
-    assert "flight recorder: gloo:all_reduce" in report and "(hstu_rank_agreement)" in report
+    assert "flight recorder: gloo:all_reduce" in report and "(hstu_loader_agreement)" in report
     assert "by thread 'hstu-loader'" in report
     assert "local rank 1 (pid" in report and "killed" in report
 
@@ -133,7 +133,7 @@ def test_a_loader_that_never_returns_is_reported_by_its_own_rank_and_the_other(t
     assert "collectives this rank issued that have not completed: none" in stuck
     assert f"rank 1: ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})" in stuck
     assert "LoaderTimeout: rank 0: the data loader" in waiting
-    assert "(hstu_rank_agreement)" in waiting
+    assert "(hstu_loader_agreement)" in waiting
 
 
 def test_a_caller_stuck_in_a_collective_is_reported_by_the_watchdog_which_ends_the_process(tmp_path):

@@ -189,12 +189,20 @@ class _Step:
 class _LoaderThread:
     """Pulls the batches on an engine thread of its own while the caller waits with the step timeout: a
     caller stuck inside the loader's ``next()`` could not time itself. One pull at a time, so the loader is
-    never used by two threads at once."""
+    never used by two threads at once.
+
+    A pull that returns a batch asks for the next one at once, so that the loader works while the step runs
+    and the caller's next pull finds its batch waiting (the loader is one batch ahead of the ring).
+    ``settle`` ends a run: it waits for that pull ahead and drops its batch, so that the iterator is not
+    used after the run."""
 
     def __init__(self, enter_thread: Callable[[], None]):
         self._enter_thread = enter_thread
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._ahead: Iterator[Any] | None = None  # the iterator whose next batch is asked for
+        self.pulling: str | None = None
+        """The label of the pull the thread is in (None while it waits for a request)."""
         self.thread = threading.Thread(target=self._run, name="hstu-loader", daemon=True)
 
     def start(self) -> None:
@@ -203,20 +211,34 @@ class _LoaderThread:
     def stop(self) -> None:
         self._requests.put(None)
 
-    def pull(self, iterator: Iterator[Any], check: Callable[[], None]) -> Any:
-        """The next batch (``StopIteration`` at the end); the loader's own errors are raised as themselves.
-        ``check()`` runs every ``POLL_S`` while the loader thread pulls: it raises the step timeout."""
-        self._requests.put(iterator)
+    def pull(self, iterator: Iterator[Any], check: Callable[[], None], label: str, next_label: str) -> Any:
+        """The next batch of ``iterator`` (``StopIteration`` at its end; the loader's own errors are raised as
+        themselves), then the one after it asked for under ``next_label``. ``check()`` runs every ``POLL_S``
+        while the caller waits: it raises the step timeout."""
+        if self._ahead is not iterator:
+            self.settle(check)
+            self._requests.put((iterator, label))
+        self._ahead = None
+        ok, value = self._wait(check)
+        if not ok:
+            raise value
+        self._requests.put((iterator, next_label))
+        self._ahead = iterator
+        return value
+
+    def settle(self, check: Callable[[], None]) -> None:
+        """Wait for the pull ahead, if one was asked for, and drop what it gave."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._wait(check)
+
+    def _wait(self, check: Callable[[], None]) -> tuple[bool, Any]:
         while True:
             try:
-                ok, value = self._results.get(timeout=POLL_S)
-                break
+                return self._results.get(timeout=POLL_S)
             except queue.Empty:
                 pass
             check()
-        if not ok:
-            raise value
-        return value
 
     def _run(self) -> None:
         try:
@@ -225,14 +247,18 @@ class _LoaderThread:
             setup_error: BaseException | None = exc
         else:
             setup_error = None
-        while (iterator := self._requests.get()) is not None:
+        while (request := self._requests.get()) is not None:
+            iterator, self.pulling = request
             if setup_error is not None:
-                self._results.put((False, EngineError(f"the loader thread could not enter its device: {setup_error}")))
-                continue
-            try:
-                self._results.put((True, next(iterator)))
-            except BaseException as exc:  # StopIteration included: the caller sees the end of data
-                self._results.put((False, exc))
+                result = (False, EngineError(f"the loader thread could not enter its device: {setup_error}"))
+            else:
+                try:
+                    result = (True, next(iterator))
+                except BaseException as exc:  # StopIteration included: the caller sees the end of data
+                    result = (False, exc)
+            self.pulling = None
+            self._results.put(result)
+            del result  # the batch is the caller's now
 
 
 def _stack_of(thread: threading.Thread, depth: int = 10) -> str:
@@ -319,7 +345,6 @@ class Engine:
         self._join_timeout = join_timeout
         self._workers: dict[str, threading.Thread] = {}
         self._loader: _LoaderThread | None = None
-        self._pulling: tuple[int, str] | None = None  # (batch, source) while the loader thread pulls
         self._current: tuple[int, _Step | None] = (0, None)  # the step running (or last run) and its state
         self._inboxes: dict[str, queue.SimpleQueue] = {}
         self._activity: dict[str, tuple] = {}
@@ -438,12 +463,12 @@ class Engine:
                 if limit is None:
                     limit = self._pull(iterator, ring, index + self.plan.depth - 1, index, source)
                 if limit is not None and index >= limit:
-                    return
+                    break
                 if before_step is not None:
                     with self._watch(WatchKind.CALLER, index, f"before_step({index}) ({_name_of(before_step)})"):
                         go_on = before_step(index)
                     if not go_on:
-                        return
+                        break
                 step = self._run_step(index, start, limit, ring)
                 if step is not None:
                     trained = index if step.has_batch(index) else None
@@ -451,10 +476,12 @@ class Engine:
                 ring.retire(index)
                 index += 1
         except GeneratorExit:
+            self._settle_loader(index, source)
             raise
         except BaseException:
             self.close()
             raise
+        self._settle_loader(index, source)
 
     def _run_step(self, index: int, first: int, limit: int | None, ring: Ring) -> "_Step | None":
         with self._watch(WatchKind.STEP, index, f"waiting for the step barrier of step {index}"):
@@ -491,15 +518,23 @@ class Engine:
             else:
                 what = f"waiting for batch {index} from the loader thread"
                 with self._watch(WatchKind.LOADER, step, what, batch=index, source=source):
-                    self._pulling = (index, source)
-                    try:
-                        batch = self._loader.pull(iterator, self._watchdog.raise_expired)
-                    finally:
-                        self._pulling = None
+                    batch = self._loader.pull(
+                        iterator, self._watchdog.raise_expired, f"{index} from {source}", f"{index + 1} from {source}"
+                    )
         except StopIteration:
             return index
         ring.put(index, batch)
         return None
+
+    def _settle_loader(self, step: int, source: str) -> None:
+        """At the end of a run: wait for the loader thread's pull ahead (its batch is dropped, as those in
+        the ring are), so that nothing uses the run's iterator once ``steps`` has returned."""
+        if self._loader is None or self._state != "running":
+            return
+        batch = step + self.plan.depth  # the batch step + 1 would have put into the ring
+        what = f"waiting for the loader thread's pull of batch {batch} to end (the run is over; dropped)"
+        with self._watch(WatchKind.LOADER, step + 1, what, batch=batch, source=source):
+            self._loader.settle(self._watchdog.raise_expired)
 
     def _new_step(self, index: int, first: int, limit: int | None, ring: Ring) -> _Step | None:
         running = tuple(
@@ -666,11 +701,11 @@ class Engine:
         step = self._current[1]
         activity = self._describe_activity(step)
         if self._loader is not None:
-            pulling = self._pulling
+            pulling = self._loader.pulling
             activity["loader"] = (
                 "idle (no pull in progress)"
                 if pulling is None
-                else f"pulling batch {pulling[0]} from {pulling[1]}\n{_stack_of(self._loader.thread)}"
+                else f"pulling batch {pulling}\n{_stack_of(self._loader.thread)}"
             )
         caller = f"{watch.what}, on thread '{watch.thread.name}'"
         if watch.kind == WatchKind.CALLER:

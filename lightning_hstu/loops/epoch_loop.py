@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.loops.fetchers import _DataFetcher, _DataLoaderIterDataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -66,7 +67,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             start=start,
             stop=self.trainer.num_training_batches,
             keep_states=self._strategy.plan.depth + 2,
-            all_ranks_have=self._strategy.all_ranks,
+            all_ranks_have=self._strategy.all_ranks_have_batch,
         )
         if start:
             self._check_batch_sizes(start)
@@ -284,10 +285,12 @@ class EngineFitLoop(_FitLoop):
 
     @override
     def on_save_checkpoint(self) -> dict:
-        state = super().on_save_checkpoint()
         loader_state = self.epoch_loop.loader_state_to_save()
-        if loader_state is not None:
-            state["combined_loader"] = loader_state
+        if loader_state is None:
+            return super().on_save_checkpoint()
+        # during an epoch the loader thread may be pulling the next batch: its live state is not read here
+        state = _Loop.on_save_checkpoint(self)
+        state["combined_loader"] = loader_state
         return state
 
 

@@ -118,6 +118,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         """Called around every task on its thread; callbacks add theirs in ``setup`` (NVTXCallback)."""
         self._epoch_loop: Any = None  # the engine's epoch loop, which owns the engine (while fitting)
         self._data_group: Any = None
+        self._loader_group: Any = None
 
     @classmethod
     @override
@@ -218,9 +219,12 @@ class HSTUPipelineStrategy(DDPStrategy):
             process_groups.enable_flight_recorder()  # before the first process group exists
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # for all_ranks()
+            # for all_ranks() and rank_zero_flag(), and for all_ranks_have_batch()
             self._data_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.AGREEMENT_GROUP
+            )
+            self._loader_group = dist.new_group(
+                backend="gloo", timeout=self._timeout, group_desc=process_groups.LOADER_GROUP
             )
 
     def timeout_actions(self) -> TimeoutActions:
@@ -241,14 +245,15 @@ class HSTUPipelineStrategy(DDPStrategy):
         )
 
     def all_ranks(self, flag: bool) -> bool:
-        """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank has
-        a next batch", "every rank's loss is finite". Runs on a gloo group of its own, so it never
-        interleaves with the collectives the tasks launch on the default group."""
-        if self._data_group is None:
-            return flag
-        flag = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._data_group)
-        return bool(flag.item())
+        """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank's loss
+        is finite". Runs on a gloo group of its own, so it never interleaves with the collectives the tasks
+        launch on the default group."""
+        return _all_ranks_on(self._data_group, flag)
+
+    def all_ranks_have_batch(self, flag: bool) -> bool:
+        """``all_ranks`` for "every rank has a next batch", on a second gloo group: the engine's loader
+        thread asks it while the step's tasks and the caller may use the first."""
+        return _all_ranks_on(self._loader_group, flag)
 
     def rank_zero_flag(self, flag: bool) -> bool:
         """Rank 0's ``flag``, on every rank (this rank's own on a single process): a broadcast on the same gloo
@@ -320,3 +325,11 @@ def _keep_shards_local(module: torch.nn.Module) -> None:
         if name.startswith(sharded):
             ignored.add(name)
     module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+
+
+def _all_ranks_on(group: Any, flag: bool) -> bool:
+    if group is None:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())

@@ -24,7 +24,12 @@ FLIGHT_RECORDER_ENTRIES = 2000
 """Collectives torch's flight recorder keeps (the newest) when the environment does not say."""
 
 AGREEMENT_GROUP = "hstu_rank_agreement"
-"""The description of the gloo group on which the ranks agree, per batch, that each has one."""
+"""The description of the gloo group on which the ranks agree during a step (every rank's loss is finite)
+and between steps (rank 0's SIGTERM)."""
+
+LOADER_GROUP = "hstu_loader_agreement"
+"""The description of the gloo group on which the ranks agree, per batch, that each has one: the loader
+thread's, which pulls while the steps run, so that its collectives never interleave with the others'."""
 
 
 def process_group_timeout(step_timeout: float) -> timedelta:
