@@ -332,3 +332,23 @@ def test_the_strategys_batch_to_device_moves_every_training_batch_through_the_mo
     assert len(strategy.threads) == model.after_transfer == trainer.global_step == 24  # 2 epochs of 12
     io = strategy.plan.task("h2d").thread
     assert set(strategy.threads) == {f"hstu-{io}"}  # on the thread the plan gives h2d
+
+
+class BatchOnlyStep(ToyRecommender):
+    """A ``training_step`` without ``batch_idx`` (Lightning allows it), which a callback swaps for one with it
+    after four batches."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, None)
+
+
+class SwapTrainingStep(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 4:
+            pl_module.training_step = ToyRecommender.training_step.__get__(pl_module)
+
+
+@pytest.mark.parametrize("strategy", [HSTUPipelineStrategy("default_d6"), "auto"])
+def test_training_step_gets_batch_idx_exactly_when_it_takes_one(strategy):
+    model, _ = fit(strategy, model_cls=BatchOnlyStep, max_epochs=1, callbacks=[SwapTrainingStep()])
+    assert [index for index, _ in model.batches_seen] == [None] * 4 + list(range(4, 12))

@@ -21,6 +21,7 @@ MIRRORED = {
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.advance": "c7555c016027bd73a570e1aa8872efa0945a9c42126020ffdb9891eb5787c266",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.run": "e8393a2170ccbe0120882038f61843f26cc9e0d78d223f87fae9f6a8fd8ea115",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._broadcast_sigterm_tensor": "d4e504c3f7d8bcb54e4bd1c0689e6deedb222e676161d4da2f3ba55a4549da78",
+    "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._build_kwargs": "4a80f7e4608b7539cfb6f67269fa1affc868633ad9d585f34bf25239536e7c58",
     "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop.on_advance_end": "2d1ddaa4e45ef5c6ee799417d23bb7f1745db28bdb7ea0ddf378c850a4dafe50",
     "lightning.pytorch.loops.fit_loop:_FitLoop.advance": "8e291f9c9323df7127b1093c4b5e2c709dbf725604d9938b1e3c9bb82e2ab903",
     "lightning.pytorch.loops.optimization.automatic:_AutomaticOptimization.run": "385b43732ecc8af33fc4eef6a70bc37d4013dd29665d72e29901c225d213d721",

@@ -20,6 +20,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import WarningCache
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
 from ..engine import Engine, StepResult, TaskRecord
@@ -47,6 +48,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._batches: EpochBatches | None = None
         self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
         self._profiling = False  # Lightning's "run_training_batch" profiler section is open
+        self._takes_batch_idx: tuple[Any, bool] | None = None  # (training_step's function, takes batch_idx)
 
     # ----- the epoch -------------------------------------------------------------------------------
 
@@ -226,6 +228,19 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if _wrote_step_metrics(trainer):
             _retire_step_values(trainer)
         self._records = []
+
+    @override
+    def _build_kwargs(self, kwargs: OrderedDict, batch: Any, batch_idx: int) -> OrderedDict:
+        """Lightning's, with its check whether ``training_step`` takes ``batch_idx`` (``inspect`` on every
+        batch, on the caller's thread between two steps) made once per ``training_step`` function."""
+        training_step = self.trainer.lightning_module.training_step
+        function = getattr(training_step, "__func__", training_step)
+        if self._takes_batch_idx is None or self._takes_batch_idx[0] is not function:
+            self._takes_batch_idx = (function, is_param_in_hook_signature(training_step, "batch_idx", min_args=2))
+        kwargs["batch"] = batch
+        if self._takes_batch_idx[1]:
+            kwargs["batch_idx"] = batch_idx
+        return kwargs
 
     def _context(self, step: int) -> StepContext:
         engine = self._engine
