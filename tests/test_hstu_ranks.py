@@ -71,3 +71,25 @@ def test_validate_and_test_on_two_ranks_keep_each_ranks_table_shards(tmp_path):
     assert ranks[0]["validated"] == ranks[1]["validated"] and ranks[0]["tested"] == ranks[1]["tested"]
     assert set(ranks[0]["validated"]) >= {"val/all/HR@10", "val/unseen/NDCG@10"}
     assert all(math.isfinite(v) for v in [*ranks[0]["validated"].values(), *ranks[0]["tested"].values()])
+
+
+@pytest.mark.parametrize("pairs", [8, 9])
+def test_predict_on_two_ranks_runs_on_equal_shares_and_refuses_unequal_ones(pairs, tmp_path):
+    """trainer.predict on two ranks with sharded tables: Lightning's predict sampler splits 8 pairs into 2
+    batches of 2 per rank, which predict; 9 pairs into 3 batches and 2, which would hang rank 0 in its third
+    batch's lookup (an all-to-all rank 1 never joins): both ranks raise a clear error before any batch."""
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_script(SCRIPT.parent / "hstu_predict_ranks.py", out, out, pairs, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    if pairs == 8:
+        for rank in ranks:
+            assert "error" not in rank, rank["error"]
+            assert [len(rows) for rows in rank["predictions"]] == [2, 2]
+            assert all(len(items) == 5 and 0 not in items for rows in rank["predictions"] for items in rows)
+    else:
+        for rank in ranks:
+            assert rank.get("error", "").startswith(
+                "the predict dataloader 0 gives the ranks different numbers of batches (rank 0: 3, rank 1: 2)"
+            ), rank

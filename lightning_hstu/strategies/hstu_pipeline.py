@@ -295,6 +295,43 @@ class HSTUPipelineStrategy(DDPStrategy):
         )
 
     @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
+        self._check_equal_batches("val", loop.max_batches)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_equal_batches("test", self.lightning_module.trainer.test_loop.max_batches)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_equal_batches("predict", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _check_equal_batches(self, stage: str, counts: list[int | float]) -> None:
+        """With sharded tables every batch's lookups are all-to-alls that every rank joins: ranks that would
+        run different numbers of batches (a loader of one's own, or Lightning's predict sampler, which leaves
+        shares unequal) would hang at the longer ones' last batch. Raised on every rank, before any batch."""
+        if self._data_group is None or not _sharded_prefixes(self.lightning_module):
+            return
+        every = [None] * self.world_size
+        dist.all_gather_object(every, list(counts), group=self._data_group)
+        for index, per_rank in enumerate(zip(*every)):
+            if len(set(per_rank)) > 1:
+                ranks = ", ".join(f"rank {rank}: {count:g}" for rank, count in enumerate(per_rank))
+                raise RuntimeError(
+                    f"the {stage} dataloader {index} gives the ranks different numbers of batches ({ranks}), and "
+                    f"the module's TorchRec tables are sharded: every batch's lookups are all-to-alls that every "
+                    f"rank must join, so the ranks would hang at the last batch of the longer shares. Give every "
+                    f"rank as many batches: a sampler that fills the shorter shares (with "
+                    f"Trainer(use_distributed_sampler=False), torch's DistributedSampler repeats samples to "
+                    f"fill them; leave out the repeated samples' outputs), or run {stage} on one process"
+                )
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down
@@ -314,9 +351,7 @@ def _keep_shards_local(module: torch.nn.Module) -> None:
     hold a different shard on every rank, so that broadcast would fail on shards of different sizes and
     overwrite the other ranks' shards with rank 0's on shards of equal size. The replicated states are still
     broadcast."""
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-
-    sharded = tuple(f"{name}." for name, sub in module.named_modules() if isinstance(sub, DistributedModelParallel))
+    sharded = _sharded_prefixes(module)
     if not sharded:
         return
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -325,6 +360,13 @@ def _keep_shards_local(module: torch.nn.Module) -> None:
         if name.startswith(sharded):
             ignored.add(name)
     module._ddp_params_and_buffers_to_ignore = sorted(ignored)
+
+
+def _sharded_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
+    """``name.`` of every TorchRec ``DistributedModelParallel`` in ``module`` (its tables are sharded)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    return tuple(f"{name}." for name, sub in module.named_modules() if isinstance(sub, DistributedModelParallel))
 
 
 def _all_ranks_on(group: Any, flag: bool) -> bool:
