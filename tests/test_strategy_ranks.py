@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import launch_env
+from ranks import launch_env, run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 
@@ -67,3 +67,22 @@ def test_every_rank_stops_when_rank_0_received_sigterm_and_only_then(tmp_path):
     for rank in (0, 1):
         raised = torch.load(out / f"rank{rank}.pt", weights_only=False)["raised"]
         assert raised == {(False, False): False, (False, True): False, (True, False): True, (True, True): True}, rank
+
+
+def test_an_ordinary_module_with_sharded_tables_trains_as_under_lightnings_ddp(tmp_path):
+    """A LightningModule of one's own with a TorchRec-sharded table and no HSTU task hooks, on two ranks:
+    torch DDP wraps its dense layer, and the strategy leaves the table shards out of it (torch DDP cannot
+    wrap them: before, fit failed in DDP's constructor). The result equals Lightning's DDP given the same
+    shards to ignore by the module itself, bit for bit on each rank, and the shards were trained."""
+    script = SCRIPT.parent / "sharded_module_ranks.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    for strategy in ("ddp", "default_d6"):
+        result = run_script(script, out, out, strategy, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        ddp, ours = (torch.load(out / f"{s}.rank{rank}.pt", weights_only=False) for s in ("ddp", "default_d6"))
+        for part in ("head", "after"):
+            for name, tensor in ddp[part].items():
+                assert torch.equal(ours[part][name], tensor), (rank, part, name)
+        assert all(not torch.equal(ours["before"][name], shard) for name, shard in ours["after"].items())

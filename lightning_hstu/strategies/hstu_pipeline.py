@@ -132,8 +132,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:
-            _keep_shards_local(trainer.lightning_module)
+        _keep_shards_local(trainer.lightning_module)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or not self.use_engine:
             return
@@ -350,7 +349,8 @@ def _keep_shards_local(module: torch.nn.Module) -> None:
     a module's states from rank 0 (``_sync_module_states``, as there is no DDP wrapper then); sharded tables
     hold a different shard on every rank, so that broadcast would fail on shards of different sizes and
     overwrite the other ranks' shards with rank 0's on shards of equal size. The replicated states are still
-    broadcast."""
+    broadcast. For fit, torch DDP (which wraps a module without ``hstu_finalize_model_grads``) leaves them out
+    of its broadcast and its gradient reduction by the same list."""
     sharded = _sharded_prefixes(module)
     if not sharded:
         return
