@@ -4,14 +4,12 @@ launch the same collectives in the same order, finish, and agree on the dense we
 launches one collective more is reported, by every rank, instead of hanging them."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ranks import launch_env, run_script
+from ranks import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "hstu_ranks.py"
 STEPS = 100
@@ -19,14 +17,7 @@ STEPS = 100
 
 def run(preset, out_dir, *args):
     out_dir.mkdir()
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), preset, str(out_dir), str(STEPS), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out_dir,
-        env=launch_env(),
-    )
+    return run_script(SCRIPT, out_dir, preset, out_dir, STEPS, *args, timeout=300)
 
 
 @pytest.mark.parametrize("preset", ["legacy_none", "per_task_d3", "full_split_d6"])
