@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
+from ranks import run_script
 from small_hstu import small_data
 
 from lightning_hstu.callbacks import FitSummary, RankingReport
@@ -114,3 +115,14 @@ def test_sasrec_trains_on_the_history_batches_and_is_tested_under_both_rankings(
         for metric in METRICS:
             assert 0.0 <= float(trainer.callback_metrics[f"test/{ranking}/{metric}"]) <= 1.0
     assert trainer.callback_metrics["test/unseen/MRR"] >= trainer.callback_metrics["test/all/MRR"]
+
+
+def test_the_report_after_fit_and_test_on_two_ranks(tmp_path):
+    """`lightning-hstu fit` on several processes: the report runs on rank 0 only, and the log directory it
+    writes to is a broadcast every rank joins (before, rank 0 waited in it alone: gloo failed when rank 1
+    exited, NCCL would have waited for its timeout)."""
+    result = run_script(Path(__file__).parent / "scripts" / "report_two_ranks.py", tmp_path, tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ranked among all items:") == 1  # printed once, by rank 0
+    written = json.loads((tmp_path / "runs" / "version_0" / "ranking.json").read_text())
+    assert set(written["metrics"]) == set(RANKINGS) and set(written["metrics"]["all"]) == set(METRICS)

@@ -53,10 +53,12 @@ class RankingReport(Callback):
                 live.copy_(best)
 
     def on_test_end(self, trainer, pl_module) -> None:
-        self._report(trainer, pl_module)
+        # on every rank: Lightning's log_dir is a broadcast from rank 0, which only rank 0 would join below
+        log_dir = trainer.log_dir
+        self._report(trainer, pl_module, log_dir)
 
     @rank_zero_only
-    def _report(self, trainer, pl_module) -> None:
+    def _report(self, trainer, pl_module, log_dir: str | None) -> None:
         metrics = {
             ranking: {m: float(trainer.callback_metrics[f"test/{ranking}/{m}"]) for m in METRICS}
             for ranking in RANKINGS
@@ -66,7 +68,7 @@ class RankingReport(Callback):
             return
         data = trainer.datamodule
         name = self.name or _model_name(pl_module)
-        run_dir = Path(trainer.log_dir) if trainer.log_dir else None
+        run_dir = Path(log_dir) if log_dir else None
         result = {
             "model": name,
             "data": data.description,
