@@ -216,5 +216,5 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     assert "ranked among all items:" in out and "ranked among items not in the user's history:" in out
     assert "most popular" in out and "HSTU " in out
     assert re.search(r"trained [\d,]+ samples in 2 epochs: [\d,]+ samples/s", out)
-    assert out.rstrip().splitlines()[-1].startswith("wall time ")
+    assert re.fullmatch(r"wall time [\d.]+ s \(start-up, fit, test\)", out.rstrip().splitlines()[-1])
     assert (tmp_path / "lightning_logs" / "version_0" / "ranking.json").exists()

@@ -36,7 +36,8 @@ class FitSummary(Callback):
     @rank_zero_only
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if stage == "test":  # after every callback's on_test_end (the progress bar's last line included)
-            print(f"wall time {time.perf_counter() - self.created:.1f} s (start-up, fit, test)")
+            parts = "start-up, fit, test" if self._start is not None else "start-up, test"
+            print(f"wall time {time.perf_counter() - self.created:.1f} s ({parts})")
 
 
 def _batch_size(batch) -> int:
