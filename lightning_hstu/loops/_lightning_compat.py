@@ -39,6 +39,7 @@ MIRRORED = {
     "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.valid_items": "ba5e622c4d38249d20c4f6dea33dbad5055ccbed422fa2437f78d031dda95bdf",
     "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.update_metrics": "61e950f1f1d25eea877940bf905b4a318ce3876b6174b78865eec44de4855e54",
     "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.metrics": "253a052f55f98a769c577e7fc2edb0816c60842688186229dc12bee7cdc42f49",
+    "lightning.pytorch.trainer.trainer:Trainer._active_loop.fget": "d1a5c828d67439ea8c76e354b7ed76e79a575e181e74cfee2e7f67c481d369b0",
     "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance": "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""

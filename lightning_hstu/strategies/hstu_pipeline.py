@@ -296,28 +296,28 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        trainer = self.lightning_module.trainer
-        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == TrainerFn.FITTING else trainer.validate_loop
-        self._check_equal_batches("val", loop.max_batches)
+        self._check_equal_batches("val")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._check_equal_batches("test", self.lightning_module.trainer.test_loop.max_batches)
+        self._check_equal_batches("test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._check_equal_batches("predict", self.lightning_module.trainer.predict_loop.max_batches)
+        self._check_equal_batches("predict")
 
-    def _check_equal_batches(self, stage: str, counts: list[int | float]) -> None:
+    def _check_equal_batches(self, stage: str) -> None:
         """With sharded tables every batch's lookups are all-to-alls that every rank joins: ranks that would
-        run different numbers of batches (a loader of one's own, or Lightning's predict sampler, which leaves
-        shares unequal) would hang at the longer ones' last batch. Raised on every rank, before any batch."""
+        run different numbers of batches in the starting loop (a loader of one's own, or Lightning's predict
+        sampler, which leaves shares unequal) would hang at the longer ones' last batch. Raised on every rank,
+        before any batch."""
         if self._data_group is None or not _sharded_prefixes(self.lightning_module):
             return
+        counts = list(self.lightning_module.trainer._active_loop.max_batches)
         every = [None] * self.world_size
-        dist.all_gather_object(every, list(counts), group=self._data_group)
+        dist.all_gather_object(every, counts, group=self._data_group)
         for index, per_rank in enumerate(zip(*every)):
             if len(set(per_rank)) > 1:
                 ranks = ", ".join(f"rank {rank}: {count:g}" for rank, count in enumerate(per_rank))
