@@ -201,8 +201,8 @@ class _LoaderThread:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._ahead: Iterator[Any] | None = None  # the iterator whose next batch is asked for
-        self.pulling: str | None = None
-        """The label of the pull the thread is in (None while it waits for a request)."""
+        self.pulling: tuple[int, str] | None = None
+        """(batch, source) of the pull the thread is in (None while it waits for a request)."""
         self.thread = threading.Thread(target=self._run, name="hstu-loader", daemon=True)
 
     def start(self) -> None:
@@ -211,18 +211,18 @@ class _LoaderThread:
     def stop(self) -> None:
         self._requests.put(None)
 
-    def pull(self, iterator: Iterator[Any], check: Callable[[], None], label: str, next_label: str) -> Any:
-        """The next batch of ``iterator`` (``StopIteration`` at its end; the loader's own errors are raised as
-        themselves), then the one after it asked for under ``next_label``. ``check()`` runs every ``POLL_S``
-        while the caller waits: it raises the step timeout."""
+    def pull(self, iterator: Iterator[Any], check: Callable[[], None], batch: int, source: str) -> Any:
+        """Batch ``batch``, the next of ``iterator`` (``StopIteration`` at its end; the loader's own errors are
+        raised as themselves), then batch ``batch + 1`` asked for. ``check()`` runs every ``POLL_S`` while the
+        caller waits: it raises the step timeout."""
         if self._ahead is not iterator:
             self.settle(check)
-            self._requests.put((iterator, label))
+            self._requests.put((iterator, (batch, source)))
         self._ahead = None
         ok, value = self._wait(check)
         if not ok:
             raise value
-        self._requests.put((iterator, next_label))
+        self._requests.put((iterator, (batch + 1, source)))
         self._ahead = iterator
         return value
 
@@ -518,9 +518,7 @@ class Engine:
             else:
                 what = f"waiting for batch {index} from the loader thread"
                 with self._watch(WatchKind.LOADER, step, what, batch=index, source=source):
-                    batch = self._loader.pull(
-                        iterator, self._watchdog.raise_expired, f"{index} from {source}", f"{index + 1} from {source}"
-                    )
+                    batch = self._loader.pull(iterator, self._watchdog.raise_expired, index, source)
         except StopIteration:
             return index
         ring.put(index, batch)
@@ -705,7 +703,7 @@ class Engine:
             activity["loader"] = (
                 "idle (no pull in progress)"
                 if pulling is None
-                else f"pulling batch {pulling}\n{_stack_of(self._loader.thread)}"
+                else f"pulling batch {pulling[0]} from {pulling[1]}\n{_stack_of(self._loader.thread)}"
             )
         caller = f"{watch.what}, on thread '{watch.thread.name}'"
         if watch.kind == WatchKind.CALLER:
