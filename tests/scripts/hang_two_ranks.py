@@ -49,8 +49,23 @@ def hang(out_dir: str, how: str) -> None:
         threading.Event().wait()
 
 
+def until_the_caller_waits_for_the_loader() -> None:
+    """The engine's loader thread pulls a batch while the step before it runs: return once this rank's caller
+    (the main thread) waits for the loader thread (that step, collectives included, and the hooks between the
+    steps have finished)."""
+    while True:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None:
+            if frame.f_code.co_name == "_wait" and frame.f_code.co_filename.endswith("engine.py"):
+                return
+            frame = frame.f_back
+        time.sleep(0.01)
+
+
 class Batches(IterableDataset):
-    """Toy batches, endless; rank 1's loader hangs when asked for batch ``HANG_AT`` if ``how`` says so."""
+    """Toy batches, endless; rank 1's loader hangs when asked for batch ``HANG_AT`` if ``how`` says so (to
+    stop, it waits until its caller waits for that batch: the other rank then waits in the per-batch
+    agreement, not in a collective of the step before)."""
 
     def __init__(self, out_dir: str, how: str | None):
         self.out_dir, self.how = out_dir, how
@@ -59,6 +74,8 @@ class Batches(IterableDataset):
         gen = torch.Generator().manual_seed(dist.get_rank())
         for index in range(10_000):
             if index == HANG_AT and self.how is not None:
+                if self.how == "stop" and dist.get_rank() == HUNG_RANK:
+                    until_the_caller_waits_for_the_loader()
                 hang(self.out_dir, self.how)
             yield torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
 
