@@ -12,6 +12,12 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 # Lightning 2.6 flattens batches with torch's LeafSpec, which torch 2.13 deprecates: Lightning's to fix.
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
+# TorchRec's sharded tables are ShardedTensors, which torch's distributed checkpoint says it deprecates on
+# every load of one (a prediction from a checkpoint loads them): TorchRec's to move to DTensor.
+warnings.filterwarnings(
+    "ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
+)
+
 
 class _FxTracingNotice(logging.Filter):
     """TorchRec's embedding lookup asks torch.fx whether it is being traced, and torch logs a notice about

@@ -218,3 +218,20 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     assert re.search(r"trained [\d,]+ samples in 2 epochs: [\d,]+ samples/s", out)
     assert re.fullmatch(r"wall time [\d.]+ s \(start-up, fit, test\)", out.rstrip().splitlines()[-1])
     assert (tmp_path / "lightning_logs" / "version_0" / "ranking.json").exists()
+
+    # the best validation epoch's checkpoint, and each user's 10 best unrated items predicted from it
+    best = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "best.ckpt"
+    result = subprocess.run(
+        [str(script), "predict", "--config", "main.yaml", "--ckpt_path", str(best)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=launch_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for notice in (*KNOWN_NOTICES, "ShardedTensor"):
+        assert notice not in result.stderr, notice
+    rows = (tmp_path / "lightning_logs" / "version_1" / "recommendations.csv").read_text().splitlines()
+    assert rows[0] == "user,rank,item,score" and len(rows) == 1 + 96 * 10
+    assert "recommendations for 96 users written to lightning_logs/version_1/recommendations.csv" in result.stderr

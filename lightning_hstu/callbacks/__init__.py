@@ -1,7 +1,9 @@
-"""Callbacks that show the engine at work: NVTX ranges, per-task timing, traces and pictures."""
+"""Callbacks that show the engine at work (NVTX ranges, per-task timing, traces and pictures), report the
+ranking metrics and write recommendations."""
 
 from .collectives import CollectiveInventoryCallback
 from .nvtx_ranges import NVTXCallback
+from .recommendations import RecommendationWriter
 from .report import RankingReport
 from .summary import FitSummary
 from .timing import TaskTimingCallback
@@ -13,6 +15,7 @@ __all__ = [
     "GanttCallback",
     "NVTXCallback",
     "RankingReport",
+    "RecommendationWriter",
     "TaskTimingCallback",
     "TraceCallback",
 ]

@@ -10,7 +10,7 @@ import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +22,8 @@ from ..hstu.batch import HSTUBatch, check_ids
 from .evaluation import NO_TARGET, mean_metrics, most_popular_ranks
 
 SPARSE_KEYS = ("item", "item_neg", "action", "user")
+FILLER_USER = 0
+"""The user of a filler history in ``predict_dataloader``'s shorter shares (user ids count from 1)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ class _ListDataset(Dataset):
 
 class EvaluationShares(DistributedSampler):
     """One rank's share of the evaluation pairs, in order (rank r takes pairs r, r + world, ...), the shorter
-    shares filled up to the longest with the dataset's last entry, a filler pair (``NO_TARGET``), so that
+    shares filled up to the longest with the dataset's last entry, a filler (a pair whose target is
+    ``NO_TARGET``; for ``predict``, a history of ``FILLER_USER``), so that
     every rank runs as many batches (the sharded tables' lookups are collectives). Lightning's own
     ``DistributedSampler`` fills up with real pairs instead, which up to world - 1 users then count twice in
     the metrics; being a ``DistributedSampler``, this one is left in place by Lightning."""
@@ -197,6 +200,8 @@ class HistoryDataModule(pl.LightningDataModule):
         self.train_histories: list[History] = []
         self.validation: list[tuple[History, int]] = []
         self.test: list[tuple[History, int]] = []
+        self.latest: list[History] = []
+        """Every user's whole history (its last ``max_seq_len`` events): what ``predict`` recommends after."""
 
     def load(self) -> list[History]:
         raise NotImplementedError
@@ -222,6 +227,7 @@ class HistoryDataModule(pl.LightningDataModule):
         self.num_actions = max(a for h in histories for a in h.actions) + 1
         split = leave_two_out(histories, self.max_seq_len)
         self.train_histories, self.validation, self.test = split.train, split.validation, split.test
+        self.latest = [h.last(self.max_seq_len) for h in histories if h.items]
 
     @property
     def description(self) -> str:
@@ -250,6 +256,24 @@ class HistoryDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._evaluation_loader(self.test)
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every user's whole history (``latest``: the validation and test items included), once, for
+        ``trainer.predict`` to recommend the items after it (``RankingEvaluation.predict_step``). On several
+        ranks each takes its share, the shorter shares filled up with a history of user 0 (no user), which
+        ``predict_step`` leaves out."""
+        histories = sorted(self.latest, key=lambda h: len(h.items))  # like lengths batched: less padding
+        dataset, sampler = _ListDataset(histories), None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and histories:
+            dataset = _ListDataset([*histories, replace(histories[0], user=FILLER_USER)])
+            sampler = EvaluationShares(dataset, world, dist.get_rank())
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=Collate(self.num_items, 0, self.seed + 2, rows=self.table_rows()),
+        )
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
         """Every pair once. On several ranks each takes its share (``EvaluationShares``), the shorter shares

@@ -1,11 +1,12 @@
 """Validation and test of a next-item recommender: the held-out item ranked by the model's scores of every
 item (``data.evaluation``), logged as ``<stage>/<ranking>/<metric>``, for example ``val/all/HR@10`` and
-``test/unseen/NDCG@10``."""
+``test/unseen/NDCG@10``; and its recommendations (``predict``)."""
 
 import torch
 from torchmetrics.aggregation import MeanMetric
 
 from ..data.evaluation import METRICS, NO_TARGET, RANKINGS, metric_values, target_ranks
+from ..data.histories import FILLER_USER
 from ..hstu.batch import HSTUBatch
 
 STAGES = ("val", "test")
@@ -15,6 +16,11 @@ class RankingEvaluation:
     """Mixin for a LightningModule that defines ``score_items(batch) -> [B, items + 1]`` (the next item's
     score for each history of an evaluation batch, whose ``target`` feature is the held-out item) and
     ``evaluation_weights()`` (the tensors that hold its weights, for ``callbacks.RankingReport``).
+
+    ``predict_step`` recommends each history's ``predict_top_k`` best next items (id 0 is no item; the
+    items already in the history only with ``predict_seen_items``): ``trainer.predict`` on
+    ``HistoryDataModule.predict_dataloader`` recommends after every user's whole history, and
+    ``callbacks.RecommendationWriter`` sets both attributes and writes the recommendations to a file.
 
     Each metric is a mean over the stage's samples, kept by a ``torchmetrics`` ``MeanMetric`` (its sums add
     up exactly over ranks, whatever each rank's count); filler samples (target ``NO_TARGET``, which fill up
@@ -27,6 +33,28 @@ class RankingEvaluation:
         self.ranking_means = torch.nn.ModuleDict(
             {_key(s, r, m): MeanMetric(nan_strategy="error") for s in STAGES for r in RANKINGS for m in METRICS}
         )
+
+    predict_top_k: int = 10
+    predict_seen_items: bool = False
+
+    def predict_step(self, batch: HSTUBatch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """``user`` [R], ``items`` [R, k] (best first) and their ``scores`` [R, k], on the CPU, for the batch's
+        histories except fillers (``FILLER_USER``); k is ``predict_top_k``, or fewer where fewer items can be
+        recommended (the catalogue, less the history's items unless ``predict_seen_items``: a history that
+        has seen more than ``items - k`` items gets scores of -inf at its end, for no item)."""
+        if self.predict_top_k < 1:
+            raise ValueError(f"predict_top_k must be at least 1, got {self.predict_top_k}")
+        with torch.no_grad():
+            scores = self.score_items(batch).float()
+        scores[:, 0] = -torch.inf  # no item
+        if not self.predict_seen_items:
+            history = batch.features["item"]
+            rows = torch.repeat_interleave(torch.arange(len(scores), device=scores.device), history.lengths())
+            scores[rows, history.values()] = -torch.inf
+        best, items = scores.topk(min(self.predict_top_k, scores.shape[1] - 1), dim=1)
+        users = batch.features["user"].values()
+        real = users != FILLER_USER
+        return {"user": users[real].cpu(), "items": items[real].cpu(), "scores": best[real].cpu()}
 
     def validation_step(self, batch: HSTUBatch, batch_idx: int) -> None:
         self._log_ranks("val", batch)

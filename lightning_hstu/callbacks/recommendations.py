@@ -1,0 +1,63 @@
+"""Recommendations written to a file: what ``lightning-hstu predict`` leaves behind."""
+
+import csv
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+
+class RecommendationWriter(BasePredictionWriter):
+    """Writes the recommendations of ``trainer.predict`` (``models.ranking.RankingEvaluation.predict_step``:
+    each user's ``top_k`` best next items, the items already in the history left out unless
+    ``seen_items``) to ``<log_dir>/<filename>``, a CSV file with one row per user and recommendation:
+    ``user,rank,item,score`` (rank 1 is the best), users in ascending order. Every rank's recommendations
+    are gathered to rank 0, which writes the file. Recommendations for no item (score -inf: a user who has
+    seen nearly the whole catalogue) are left out."""
+
+    def __init__(self, top_k: int = 10, seen_items: bool = False, filename: str = "recommendations.csv"):
+        super().__init__(write_interval="batch")
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        self.top_k, self.seen_items, self.filename = top_k, seen_items, filename
+        self.path: Path | None = None
+        """The file written by the last predict (None before)."""
+        self._rows: list[tuple[int, int, int, float]] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "predict":
+            pl_module.predict_top_k, pl_module.predict_seen_items = self.top_k, self.seen_items
+
+    def on_predict_epoch_start(self, trainer, pl_module) -> None:
+        self._rows = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        for user, items, scores in zip(
+            prediction["user"].tolist(), prediction["items"].tolist(), prediction["scores"].tolist()
+        ):
+            self._rows.extend(
+                (user, rank, item, score)
+                for rank, (item, score) in enumerate(zip(items, scores), 1)
+                if score > -math.inf
+            )
+
+    def on_predict_epoch_end(self, trainer, pl_module) -> None:
+        log_dir = trainer.log_dir  # on every rank: a broadcast from rank 0
+        rows = self._rows
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, rows)
+            rows = [row for part in gathered for row in part]
+        self._rows = []
+        if not trainer.is_global_zero:
+            return
+        self.path = Path(log_dir or trainer.default_root_dir) / self.filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(("user", "rank", "item", "score"))
+            writer.writerows(sorted(rows))
+        users = len({row[0] for row in rows})
+        rank_zero_info(f"recommendations for {users} users written to {self.path}")

@@ -1,0 +1,133 @@
+"""Recommendations: ``RankingEvaluation.predict_step`` over ``HistoryDataModule.predict_dataloader``, written
+by ``callbacks.RecommendationWriter`` (what ``lightning-hstu predict`` leaves behind)."""
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_runs import QUIET
+from ranks import run_script
+from small_hstu import SMALL_MODEL, small_data
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.callbacks import RecommendationWriter
+from lightning_hstu.data.histories import Collate
+from lightning_hstu.models.hstu import HSTURecommender
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _trained(tmp_path, writer, *callbacks, **data_kwargs):
+    pl.seed_everything(0, verbose=False)
+    model, data = HSTURecommender(**SMALL_MODEL), small_data(**{"num_users": 40, **data_kwargs})
+    options = {**QUIET, "logger": pl.loggers.CSVLogger(tmp_path), "enable_checkpointing": bool(callbacks)}
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        callbacks=[writer, *callbacks],
+        **options,
+    )
+    trainer.fit(model, data)
+    return model, data, trainer
+
+
+def _read(path) -> dict[int, list[tuple[int, float]]]:
+    by_user: dict[int, list[tuple[int, float]]] = {}
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    assert rows[0] == ["user", "rank", "item", "score"]
+    for user, rank, item, score in rows[1:]:
+        by_user.setdefault(int(user), []).append((int(item), float(score)))
+        assert int(rank) == len(by_user[int(user)])
+    return by_user
+
+
+def _expected(model, data, history, k, seen_items):
+    """The model's k best items after ``history``, scored on their own (a batch of one)."""
+    batch = Collate(data.num_items, 0, 0, rows=data.table_rows())([history])
+    with torch.no_grad():
+        scores = model.score_items(batch)[0].float()
+    scores[0] = -torch.inf
+    if not seen_items:
+        scores[list(history.items)] = -torch.inf
+    best = scores.topk(k)
+    return best.indices.tolist(), best.values.tolist()
+
+
+@pytest.mark.parametrize("seen_items", [False, True])
+def test_predict_writes_each_users_best_items_after_their_whole_history(tmp_path, seen_items):
+    writer = RecommendationWriter(top_k=5, seen_items=seen_items)
+    model, data, trainer = _trained(tmp_path, writer)
+    trainer.predict(model, datamodule=data)
+    assert writer.path == tmp_path / "lightning_logs" / "version_0" / "recommendations.csv"
+    got = _read(writer.path)
+    assert sorted(got) == sorted(h.user for h in data.latest)  # every user once
+    model.eval()
+    for history in data.latest:
+        items, scores = _expected(model, data, history, 5, seen_items)
+        assert [item for item, _ in got[history.user]] == items
+        assert [score for _, score in got[history.user]] == pytest.approx(scores, rel=1e-5, abs=1e-6)
+        if not seen_items:
+            assert not set(items) & set(history.items)
+
+
+def test_predict_recommends_after_the_test_item(tmp_path):
+    """The histories predicted from are the whole ones: the held-out validation and test items included."""
+    _, data, _ = _trained(tmp_path, RecommendationWriter())
+    tests = {history.user: (history, item) for history, item in data.test}
+    for history in data.latest:
+        if history.user in tests:
+            before, item = tests[history.user]
+            assert history.items[-1] == item
+            kept = len(history.items) - 1  # the last max_seq_len events: one fewer before the test item
+            assert history.items[:-1] == before.items[len(before.items) - kept :]
+
+
+def test_a_user_who_has_seen_almost_everything_gets_only_the_items_left(tmp_path):
+    writer = RecommendationWriter(top_k=5)
+    model, data, trainer = _trained(tmp_path, writer, num_items=30)
+    greedy = data.latest[0]
+    everything = tuple(range(3, data.num_items + 1))  # every item but 1 and 2
+    assert len(everything) <= data.max_seq_len
+    data.latest = [type(greedy)(greedy.user, everything, (0,) * len(everything), tuple(range(len(everything))))]
+    trainer.predict(model, datamodule=data)
+    assert sorted(item for item, _ in _read(writer.path)[greedy.user]) == [1, 2]
+
+
+def test_predict_from_a_checkpoint_recommends_with_its_weights(tmp_path):
+    writer, checkpoint = RecommendationWriter(top_k=5), pl.callbacks.ModelCheckpoint(tmp_path / "ckpt")
+    model, data, trainer = _trained(tmp_path, writer, checkpoint)
+    trainer.predict(model, datamodule=data)
+    trained = _read(writer.path)
+    with torch.no_grad():  # other weights in the live model: dense layers and the tables' shards
+        for weight in model.evaluation_weights():
+            weight.normal_()
+    trainer.predict(model, datamodule=data)
+    assert _read(writer.path) != trained
+    trainer.predict(model, datamodule=data, ckpt_path=checkpoint.best_model_path)
+    assert _read(writer.path) == trained
+
+
+def test_bad_top_k_is_refused():
+    with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
+        RecommendationWriter(top_k=0)
+
+
+def test_two_ranks_write_one_file_with_every_user_once(tmp_path):
+    """41 users on two ranks: shares of 21 and 20 histories, the shorter filled up with a filler history,
+    which is not written; rank 0 writes every user's recommendations, gathered from both ranks."""
+    result = run_script(SCRIPTS / "recommend_ranks.py", tmp_path, tmp_path, 41, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(tmp_path / "users.pt", weights_only=False)
+    got = _read(saved["path"])
+    assert sorted(got) == sorted(saved["histories"]) and len(got) == 41
+    for user, recommended in got.items():
+        items = [item for item, _ in recommended]
+        scores = [score for _, score in recommended]
+        assert len(items) == 4 and 0 not in items and not set(items) & set(saved["histories"][user])
+        assert scores == sorted(scores, reverse=True)
