@@ -10,7 +10,7 @@ import torch
 
 from lightning_runs import QUIET
 from ranks import run_script
-from small_hstu import SMALL_MODEL, small_data
+from small_hstu import GPU_MODEL, SMALL_MODEL, gpu_data, small_data
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.callbacks import RecommendationWriter
@@ -49,7 +49,7 @@ def _read(path) -> dict[int, list[tuple[int, float]]]:
 
 def _expected(model, data, history, k, seen_items):
     """The model's k best items after ``history``, scored on their own (a batch of one)."""
-    batch = Collate(data.num_items, 0, 0, rows=data.table_rows())([history])
+    batch = Collate(data.num_items, 0, 0, rows=data.table_rows())([history]).to(model.device)
     with torch.no_grad():
         scores = model.score_items(batch)[0].float()
     scores[0] = -torch.inf
@@ -111,6 +111,31 @@ def test_predict_from_a_checkpoint_recommends_with_its_weights(tmp_path):
     assert _read(writer.path) != trained
     trainer.predict(model, datamodule=data, ckpt_path=checkpoint.best_model_path)
     assert _read(writer.path) == trained
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_predict_on_a_gpu_recommends_the_models_best_unseen_items(tmp_path):
+    """The fused attention on the GPU, batches of histories of every length: each user's recommendations are
+    the items the model scores best after that history alone (a batch of one)."""
+    pl.seed_everything(0, verbose=False)
+    model, data, writer = HSTURecommender(**GPU_MODEL), gpu_data(num_users=100), RecommendationWriter(top_k=5)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cuda",
+        devices=1,
+        max_steps=4,
+        callbacks=[writer],
+        **{**QUIET, "logger": pl.loggers.CSVLogger(tmp_path)},
+    )
+    trainer.fit(model, data)
+    trainer.predict(model, datamodule=data)
+    got = _read(writer.path)
+    assert sorted(got) == sorted(h.user for h in data.latest)
+    model.to(torch.device("cuda")).eval()  # Lightning's teardown moved the dense part to the CPU
+    for history in data.latest:
+        items, scores = _expected(model, data, history, 5, False)
+        assert [score for _, score in got[history.user]] == pytest.approx(scores, rel=1e-4, abs=1e-5)
+        assert not {item for item, _ in got[history.user]} & set(history.items)
 
 
 def test_bad_top_k_is_refused():
