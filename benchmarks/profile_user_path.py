@@ -14,11 +14,18 @@ Two diagnostics of the steady state, from the end of the warmup on:
   counted per thread and call site and printed per step at the end (CUDA only);
 - ``--trace FILE``: torch.profiler over ``--trace-steps`` steps (CPU ops of every thread, CUDA kernels), a
   Chrome trace written to FILE and, printed, each thread's busiest ops and its CUDA runtime calls that wait
-  (synchronize, blocking copies) with their total time."""
+  (synchronize, blocking copies) with their total time;
+- ``--thread-cpu``: each thread's CPU time per step over the measured steps (Linux: ``/proc/self/task``;
+  the engine's threads by their Python names, autograd's device thread as ``pt_autograd_0``), and the wall
+  time of ``torch.autograd.backward`` per call (the caller of backward waits for autograd's thread there).
+  Without a profiler's overhead: the threads' times add up to the step where they run one after another.
+
+``--switch-interval S`` sets ``sys.setswitchinterval(S)`` (the GIL's hand-over interval) for the run."""
 
 import argparse
 import collections
 import os
+import sys
 import threading
 import time
 import traceback
@@ -85,13 +92,19 @@ def main():
     parser.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU per call site")
     parser.add_argument("--trace", help="write a torch.profiler Chrome trace of --trace-steps steps to this file")
     parser.add_argument("--trace-steps", type=int, default=20)
+    parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run, in seconds")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.sync_debug and not torch.cuda.is_available():
         parser.error("--sync-debug needs CUDA")
     if args.trace and not 0 < args.trace_steps <= args.steps:
         parser.error(f"--trace-steps must be in 1..--steps ({args.steps})")
-    diagnostics = ([_SyncSites()] if args.sync_debug else []) + (
-        [_Trace(args.trace, args.trace_steps)] if args.trace else []
+    diagnostics = (
+        ([_SyncSites()] if args.sync_debug else [])
+        + ([_Trace(args.trace, args.trace_steps)] if args.trace else [])
+        + ([_ThreadCPU(args.steps - 1)] if args.thread_cpu else [])
     )
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -209,6 +222,67 @@ class _Trace:
             print(f"thread {thread}: {sum(ops.values()) / self.steps:.0f} self CPU; {top}")
             if waits[thread]:
                 print("    waits: " + ", ".join(f"{n} {us / self.steps:.0f}" for n, us in waits[thread].most_common()))
+
+
+class _ThreadCPU:
+    """Each thread's CPU time (user + system, from ``/proc/self/task/<id>/stat``) from step 0 to step
+    ``last`` (read while the threads live), per step, and the wall time of each ``torch.autograd.backward``
+    call in those steps."""
+
+    def __init__(self, last: int):
+        self.last = last
+        self.start: tuple[float, dict] | None = None
+        self.end: tuple[float, dict] | None = None
+        self.backward_s: list[float] = []
+        self._backward = torch.autograd.backward
+
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return self._backward(*args, **kwargs)
+            finally:
+                if self.start is not None and self.end is None:
+                    self.backward_s.append(time.perf_counter() - begin)
+
+        torch.autograd.backward = timed
+
+    def at_step(self, done: int) -> None:
+        if done == 0:
+            self.start = (time.perf_counter(), _thread_cpu_s())
+        elif done == self.last and self.start is not None:
+            self.end = (time.perf_counter(), _thread_cpu_s())
+
+    def report(self) -> None:
+        torch.autograd.backward = self._backward
+        if self.start is None or self.end is None:
+            return
+        (began, before), (ended, after) = self.start, self.end
+        steps = self.last
+        print(f"\nthreads' CPU time over {steps} steps ({(ended - began) / steps * 1e3:.2f} ms/step of wall time):")
+        spent = {name: (seconds - before.get(name, 0.0)) / steps * 1e3 for name, seconds in after.items()}
+        for name, ms in sorted(spent.items(), key=lambda kv: -kv[1]):
+            if ms >= 0.05:
+                print(f"  {name:24s} {ms:6.2f} ms/step")
+        backward = sorted(self.backward_s)
+        if backward:
+            print(f"  backward() wall time: median {backward[len(backward) // 2] * 1e3:.3f} ms per call")
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds per thread of this process, named by Python thread name where there is one (else the
+    kernel's thread name, made unique by its id)."""
+    python_names = {str(t.native_id): t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = python_names.get(tid, f"{comm} ({tid})")
+        times[name] = (int(fields[11]) + int(fields[12])) / tick
+    return times
 
 
 def _plain_loop(sizes, device, num_items, batches, marks):
