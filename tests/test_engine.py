@@ -96,7 +96,7 @@ def test_stopping_early_keeps_the_engine_for_the_next_epoch():
 @pytest.mark.parametrize("name", ["legacy_none", "default_d6"])
 def test_the_loader_thread_pulls_the_next_batch_while_a_step_runs(name):
     """With a step timeout the batches come through the loader thread, which is asked for batch k + depth
-    as soon as it has given batch k + depth - 1: step k's optimizer step waits here until that pull began."""
+    when step k is dispatched: step k's optimizer step waits here until that pull began."""
     plan = get_plan(name)
     asked: dict[int, threading.Event] = {}
 
@@ -119,6 +119,36 @@ def test_the_loader_thread_pulls_the_next_batch_while_a_step_runs(name):
     with Engine(plan, bodies, step_timeout=60) as engine:
         engine.run(batches())
     assert_all_invariants(plan, workload.runs, 8)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_no_pull_runs_while_the_caller_works_between_steps():
+    """The pull ahead starts when a step is dispatched, not while ``before_step`` runs (Lightning's hooks under
+    the strategy): a loader's Python work (a collate function's) and the caller's would share the GIL there,
+    in a section of the step no other work overlaps."""
+    plan = get_plan("legacy_none")
+    pulling, seen = threading.Event(), []
+
+    def batches():
+        for index in range(10):
+            pulling.set()
+            time.sleep(0.01)  # the loader's work on this batch
+            pulling.clear()
+            yield index
+
+    def before_step(step):
+        for _ in range(3):
+            seen.append((step, pulling.is_set()))
+            time.sleep(0.005)
+        return True
+
+    workload = TracingWorkload(plan)
+    with Engine(plan, workload.bodies(), step_timeout=60) as engine:
+        for _ in engine.steps(batches(), before_step):
+            pass
+    assert len(seen) == 3 * (10 + plan.depth - 1)  # every step, the fill's included
+    assert [step for step, busy in seen if busy] == []
+    assert_all_invariants(plan, workload.runs, 10)
 
 
 @pytest.mark.usefixtures("no_thread_left")

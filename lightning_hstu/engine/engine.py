@@ -191,8 +191,10 @@ class _LoaderThread:
     caller stuck inside the loader's ``next()`` could not time itself. One pull at a time, so the loader is
     never used by two threads at once.
 
-    A pull that returns a batch asks for the next one at once, so that the loader works while the step runs
-    and the caller's next pull finds its batch waiting (the loader is one batch ahead of the ring).
+    ``ask`` starts the next pull when a step is dispatched, so that the loader works while the step runs
+    and the caller's next ``pull`` finds its batch waiting (the loader is one batch ahead of the ring); not
+    earlier, while the caller runs Lightning's hooks between two steps: both are Python, and under the GIL
+    a loader's Python work (a collate function's) would lengthen that section, which no step overlaps.
     ``settle`` ends a run: it waits for that pull ahead and drops its batch, so that the iterator is not
     used after the run."""
 
@@ -213,8 +215,8 @@ class _LoaderThread:
 
     def pull(self, iterator: Iterator[Any], check: Callable[[], None], batch: int, source: str) -> Any:
         """Batch ``batch``, the next of ``iterator`` (``StopIteration`` at its end; the loader's own errors are
-        raised as themselves), then batch ``batch + 1`` asked for. ``check()`` runs every ``POLL_S`` while the
-        caller waits: it raises the step timeout."""
+        raised as themselves): the pull ``ask`` started, or one started now. ``check()`` runs every ``POLL_S``
+        while the caller waits: it raises the step timeout."""
         if self._ahead is not iterator:
             self.settle(check)
             self._requests.put((iterator, (batch, source)))
@@ -222,9 +224,13 @@ class _LoaderThread:
         ok, value = self._wait(check)
         if not ok:
             raise value
-        self._requests.put((iterator, (batch + 1, source)))
-        self._ahead = iterator
         return value
+
+    def ask(self, iterator: Iterator[Any], batch: int, source: str) -> None:
+        """Start pulling batch ``batch``, the next of ``iterator``, unless a pull is under way already."""
+        if self._ahead is None:
+            self._requests.put((iterator, (batch, source)))
+            self._ahead = iterator
 
     def settle(self, check: Callable[[], None]) -> None:
         """Wait for the pull ahead, if one was asked for, and drop what it gave."""
@@ -469,6 +475,8 @@ class Engine:
                         go_on = before_step(index)
                     if not go_on:
                         break
+                if limit is None and self._loader is not None:  # the next batch, pulled while this step runs
+                    self._loader.ask(iterator, index + self.plan.depth, source)
                 step = self._run_step(index, start, limit, ring)
                 if step is not None:
                     trained = index if step.has_batch(index) else None
