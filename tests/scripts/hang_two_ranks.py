@@ -39,14 +39,17 @@ HUNG_RANK = 1
 
 
 def hang(out_dir: str, how: str) -> None:
-    """Rank 1 only: note the time, then stop this whole process, or block this thread for good."""
+    """Rank 1 only: note the time, then stop this whole process (``how == "stop"``), and block this thread for
+    good."""
     if dist.get_rank() != HUNG_RANK:
         return
     Path(out_dir, "hung_at").write_text(repr(time.time()))
     if how == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        threading.Event().wait()
+    # The stop reaches every thread when it next returns to user mode: this one could otherwise run on, into
+    # the collective after this point (seen: the loader's per-batch agreement, which then completed on the
+    # other rank, so that it waited in a later collective instead), before the process stops.
+    threading.Event().wait()
 
 
 def until_the_caller_waits_for_the_loader() -> None:
