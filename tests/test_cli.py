@@ -198,15 +198,13 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     }
     config["trainer"]["max_epochs"] = 2
     (tmp_path / "main.yaml").write_text(yaml.safe_dump(config))
-    script = Path(sys.executable).parent / "lightning-hstu"
-    result = subprocess.run(
-        [str(script), "fit", "--config", "main.yaml"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=launch_env(),
-    )  # not this process's rendezvous port
+
+    def lightning_hstu(*args: str) -> subprocess.CompletedProcess:
+        script = Path(sys.executable).parent / "lightning-hstu"
+        env = launch_env()  # not this process's rendezvous port
+        return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+
+    result = lightning_hstu("fit", "--config", "main.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
     for notice in KNOWN_NOTICES:
         assert notice not in result.stderr, notice
@@ -221,14 +219,7 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
 
     # the best validation epoch's checkpoint, and each user's 10 best unrated items predicted from it
     best = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "best.ckpt"
-    result = subprocess.run(
-        [str(script), "predict", "--config", "main.yaml", "--ckpt_path", str(best)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=launch_env(),
-    )
+    result = lightning_hstu("predict", "--config", "main.yaml", "--ckpt_path", str(best))
     assert result.returncode == 0, result.stderr[-3000:]
     for notice in (*KNOWN_NOTICES, "ShardedTensor"):
         assert notice not in result.stderr, notice

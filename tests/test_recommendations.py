@@ -10,7 +10,7 @@ import torch
 
 from lightning_runs import QUIET
 from ranks import run_script
-from small_hstu import GPU_MODEL, SMALL_MODEL, gpu_data, small_data
+from small_hstu import model_and_data
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.callbacks import RecommendationWriter
@@ -20,15 +20,16 @@ from lightning_hstu.models.hstu import HSTURecommender
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def _trained(tmp_path, writer, *callbacks, **data_kwargs):
+def _trained(tmp_path, writer, *callbacks, accelerator="cpu", max_steps=3, **data_kwargs):
     pl.seed_everything(0, verbose=False)
-    model, data = HSTURecommender(**SMALL_MODEL), small_data(**{"num_users": 40, **data_kwargs})
+    model_kwargs, make_data = model_and_data(accelerator)
+    model, data = HSTURecommender(**model_kwargs), make_data(**{"num_users": 40, **data_kwargs})
     options = {**QUIET, "logger": pl.loggers.CSVLogger(tmp_path), "enable_checkpointing": bool(callbacks)}
     trainer = pl.Trainer(
         strategy=HSTUPipelineStrategy("default_d6"),
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
-        max_steps=3,
+        max_steps=max_steps,
         callbacks=[writer, *callbacks],
         **options,
     )
@@ -117,17 +118,8 @@ def test_predict_from_a_checkpoint_recommends_with_its_weights(tmp_path):
 def test_predict_on_a_gpu_recommends_the_models_best_unseen_items(tmp_path):
     """The fused attention on the GPU, batches of histories of every length: each user's recommendations are
     the items the model scores best after that history alone (a batch of one)."""
-    pl.seed_everything(0, verbose=False)
-    model, data, writer = HSTURecommender(**GPU_MODEL), gpu_data(num_users=100), RecommendationWriter(top_k=5)
-    trainer = pl.Trainer(
-        strategy=HSTUPipelineStrategy("default_d6"),
-        accelerator="cuda",
-        devices=1,
-        max_steps=4,
-        callbacks=[writer],
-        **{**QUIET, "logger": pl.loggers.CSVLogger(tmp_path)},
-    )
-    trainer.fit(model, data)
+    writer = RecommendationWriter(top_k=5)
+    model, data, trainer = _trained(tmp_path, writer, accelerator="gpu", max_steps=4, num_users=100)
     trainer.predict(model, datamodule=data)
     got = _read(writer.path)
     assert sorted(got) == sorted(h.user for h in data.latest)

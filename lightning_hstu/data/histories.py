@@ -262,34 +262,34 @@ class HistoryDataModule(pl.LightningDataModule):
         ``trainer.predict`` to recommend the items after it (``RankingEvaluation.predict_step``). On several
         ranks each takes its share, the shorter shares filled up with a history of user 0 (no user), which
         ``predict_step`` leaves out."""
-        histories = sorted(self.latest, key=lambda h: len(h.items))  # like lengths batched: less padding
-        dataset, sampler = _ListDataset(histories), None
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1 and histories:
-            dataset = _ListDataset([*histories, replace(histories[0], user=FILLER_USER)])
-            sampler = EvaluationShares(dataset, world, dist.get_rank())
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=Collate(self.num_items, 0, self.seed + 2, rows=self.table_rows()),
+        return self._shared_loader(
+            self.latest,
+            length=lambda history: len(history.items),
+            filler=lambda history: replace(history, user=FILLER_USER),
+            collate=Collate(self.num_items, 0, self.seed + 2, rows=self.table_rows()),
         )
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:
         """Every pair once. On several ranks each takes its share (``EvaluationShares``), the shorter shares
         filled up with a pair whose target is ``NO_TARGET``, which ``RankingEvaluation`` leaves out."""
-        pairs = sorted(pairs, key=lambda pair: len(pair[0].items))  # like lengths batched: less padding
-        dataset, sampler = _ListDataset(pairs), None
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1 and pairs:
-            dataset = _ListDataset([*pairs, (pairs[0][0], NO_TARGET)])
-            sampler = EvaluationShares(dataset, world, dist.get_rank())
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows()),
+        return self._shared_loader(
+            pairs,
+            length=lambda pair: len(pair[0].items),
+            filler=lambda pair: (pair[0], NO_TARGET),
+            collate=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows()),
         )
+
+    def _shared_loader(self, samples: list, length, filler, collate: Collate) -> DataLoader:
+        """``samples`` once each, sorted by ``length`` (like lengths batched: less padding); on several ranks
+        each takes its share (``EvaluationShares``), the shorter shares filled up with ``filler`` of the
+        first sample."""
+        samples = sorted(samples, key=length)
+        dataset, sampler = _ListDataset(samples), None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1 and samples:
+            dataset = _ListDataset([*samples, filler(samples[0])])
+            sampler = EvaluationShares(dataset, world, dist.get_rank())
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
 
     def most_popular(self, stage: str = "test") -> dict[str, dict[str, float]]:
         """The most-popular baseline's ``data.evaluation`` metrics on the ``val`` or ``test`` items:
