@@ -8,6 +8,8 @@ Each part runs ``--calls`` times over the batches (already on the device), after
 part the median over ``--repeats`` of the mean us per call. The device's queue is drained between parts,
 not between calls (as in a step, whose launches queue behind each other). To compare two versions of the
 package, run the script with each on ``PYTHONPATH`` (``benchmarks/package_ab.py`` exports a revision's).
+A loop keeps the pieces' code and data in the caches: inside a step the same operations took several
+times longer (BENCHMARKS.md), so these times are a lower bound of what a cut saves there.
 """
 
 import argparse
