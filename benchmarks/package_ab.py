@@ -10,6 +10,12 @@ A version is a git revision (its ``lightning_hstu`` exported with ``git archive`
 with the first version's package). Everything after ``--`` goes to ``profile_user_path.py``. ``--cpus 0-7``
 pins every process to those cores. Prints each round's ms/step per version, then per version the median
 over rounds and, against the first version, each round's difference and in how many rounds it was faster.
+
+With ``--thread-cpu`` among the passed arguments it also prints each process's CPU time per step of the
+stepping thread (the engine's ``hstu-main``, or the plain loop's ``MainThread``) and of autograd's device
+thread, and their ratio: where a change leaves autograd's work alone, its CPU time shows how fast that
+process's CPU ran (it moves by 10-20% between processes of one lease on the GPU machines), and the ratio
+compares the stepping thread's work across processes without that drift.
 """
 
 import argparse
@@ -23,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
+THREAD_CPU = re.compile(r"^\s+(hstu-main|MainThread|pt_autograd_\d+)\b[^\n]*?([0-9.]+) ms/step$", re.MULTILINE)
 
 
 def export(version: str, into: Path) -> Path:
@@ -55,8 +62,9 @@ def cores(spec: str | None) -> set[int] | None:
     return out
 
 
-def run(package: Path, plain: bool, args: list[str], cpus: set[int] | None) -> tuple[float, str]:
-    """One process of ``profile_user_path.py``: the median of its windows' ms/step, and its output."""
+def run(package: Path, plain: bool, args: list[str], cpus: set[int] | None) -> tuple[float, str, float | None]:
+    """One process of ``profile_user_path.py``: the median of its windows' ms/step, the windows, and (with
+    ``--thread-cpu``) the stepping thread's CPU time per step over autograd's thread's, else None."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *(["--plain"] if plain else [])]
     result = subprocess.run(
@@ -70,7 +78,16 @@ def run(package: Path, plain: bool, args: list[str], cpus: set[int] | None) -> t
     windows = [float(m) for m in WINDOW.findall(result.stdout)]
     if result.returncode or not windows:
         raise SystemExit(f"{' '.join(command)} (PYTHONPATH {package}) failed:\n{result.stderr[-3000:]}")
-    return statistics.median(windows), " ".join(f"{w:.2f}" for w in windows)
+    described, ratio = " ".join(f"{w:.2f}" for w in windows), None
+    cpu = {
+        ("autograd" if name.startswith("pt_autograd") else name): float(ms)
+        for name, ms in THREAD_CPU.findall(result.stdout)
+    }
+    stepping = cpu.get("hstu-main", cpu.get("MainThread"))
+    if stepping is not None and cpu.get("autograd"):
+        ratio = stepping / cpu["autograd"]
+        described += f"; CPU ms/step: stepping thread {stepping:.2f}, autograd {cpu['autograd']:.2f}, ratio {ratio:.2f}"
+    return statistics.median(windows), described, ratio
 
 
 def main() -> None:
@@ -88,10 +105,13 @@ def main() -> None:
         packages = {v: export(v, Path(scratch)) for v in args.versions}
         packages["plain"] = packages[args.versions[0]]
         medians: dict[str, list[float]] = {v: [] for v in args.versions}
+        ratios: dict[str, list[float]] = {v: [] for v in args.versions}
         for round_ in range(1, args.rounds + 1):
             for version in args.versions:
-                median, windows = run(packages[version], version == "plain", passed, pinned)
+                median, windows, ratio = run(packages[version], version == "plain", passed, pinned)
                 medians[version].append(median)
+                if ratio is not None:
+                    ratios[version].append(ratio)
                 print(f"round {round_} {version:>14}: {median:6.2f} ms/step  (windows {windows})", flush=True)
     base = medians[args.versions[0]]
     print("\nmedian over rounds, and against the first version round by round:")
@@ -101,6 +121,9 @@ def main() -> None:
         line = f"{version:>14}: {statistics.median(values):6.2f} ms/step"
         if version != args.versions[0]:
             line += f"  ({', '.join(f'{d:+.2f}' for d in deltas)}; faster in {faster} of {len(deltas)})"
+        if ratios[version]:
+            line += f"; stepping/autograd CPU median {statistics.median(ratios[version]):.2f}"
+            line += f" ({', '.join(f'{r:.2f}' for r in ratios[version])})"
         print(line)
 
 
