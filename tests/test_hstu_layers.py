@@ -82,7 +82,7 @@ def test_the_bias_lookup_has_the_gradient_of_plain_indexing():
 
 
 def test_what_graph_capture_records_is_the_method_with_its_parameters_as_arguments():
-    """The function that make_graphed_callables captures (graphs._Call): same losses, and the gradients of
+    """The function that the graphs capture (graphs._Call): same losses, and the gradients of
     its parameter arguments are the gradients of the module's parameters."""
     from lightning_hstu.hstu.graphs import _Call
     from lightning_hstu.models.hstu import HSTUObjectives

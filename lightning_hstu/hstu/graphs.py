@@ -1,13 +1,14 @@
 """The dense part of a step replayed from CUDA graphs (forward and backward), captured by the engine.
 
-``torch.cuda.make_graphed_callables`` records one graph for the forward and one for the backward of a
-function of tensors with static shapes, and returns an autograd function that replays them: the forward
-task replays the first, ``loss.backward()`` in the backward task replays the second, and autograd carries
-the graph's input gradients on to the (eager) TorchRec embeddings. The graphs read the parameters in place,
-and autograd adds their gradients straight into megatron-core's gradient buffers (``accumulators``; without
-them, into ``.grad``, where megatron-core's per-parameter hooks move them). On the light benchmark's step
-the copy of every parameter into the graph, megatron-core's 26 hooks and autograd's stream syncs for them
-took about 1.5 ms of 8.4 (one H200, BENCHMARKS.md).
+As ``torch.cuda.make_graphed_callables`` does, one graph is recorded for the forward and one for the backward
+of a function of tensors with static shapes, replayed by an autograd function: the forward task replays the
+first, ``loss.backward()`` in the backward task replays the second, and autograd carries the graph's input
+gradients on to the (eager) TorchRec embeddings. The graphs read the parameters in place, and the backward
+graph itself adds their gradients into megatron-core's gradient buffers (``accumulators``), so that autograd
+has no node per parameter to run; a parameter without one gets its gradient through autograd, in ``.grad``
+(where megatron-core's per-parameter hooks move it). On the light benchmark's step the copy of every
+parameter into the graph, megatron-core's 26 hooks and autograd's stream syncs for them took about 1.5 ms of
+8.4 (one H200, BENCHMARKS.md).
 
 A capture needs every input shape to be fixed and nothing else on the GPU to misbehave while it records,
 so it is done by the engine between two steps (no task running; see ``Engine(graphs=...)``), for each
@@ -38,7 +39,9 @@ class GraphedMethod:
     the module's parameters (the backward graph computes their gradients), with shapes that depend on the
     arguments' shapes only. ``accumulators`` maps parameters to tensors of their shape and dtype into which
     the replayed backward adds their gradients instead of into ``.grad`` (``MegatronDenseGrads.accumulators``:
-    megatron-core's ``main_grad``); a parameter not in it gets its gradient in ``.grad``."""
+    megatron-core's ``main_grad``); a parameter not in it gets its gradient in ``.grad``. Once a parameter's
+    storage moved (``param.data = ...``) the graphs no longer read it: they are dropped, and the calls run
+    eagerly until captured again."""
 
     def __init__(
         self,
@@ -54,23 +57,22 @@ class GraphedMethod:
         self.module, self.method, self.warmup, self.max_graphs = module, method, warmup, max_graphs
         self.accumulators = dict(accumulators or {})
         self.name = f"{type(module).__name__}.{method}"
-        self.graphs: dict[Signature, nn.Module] = {}
+        self.graphs: dict[Signature, _Graphs] = {}
         self._calls: Counter = Counter()
         self._samples: dict[Signature, tuple[torch.Tensor, ...]] = {}
         self._told: set[Signature] = set()
         self.replays = self.eager_calls = 0
         self._parameters: tuple[nn.Parameter, ...] = ()
-        self._aliases: tuple[torch.Tensor, ...] = ()
-        self._replayed: tuple[torch.Tensor, ...] = ()  # what a replay passes for the parameters
+        self._passed: tuple[nn.Parameter, ...] = ()  # those whose gradient autograd delivers (no accumulator)
         self._addresses: tuple[int, ...] = ()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         signature = _signature(args)
-        graphed = self.graphs.get(signature)
-        if graphed is not None:
+        graphs = self.graphs.get(signature)
+        if graphs is not None and self._in_place():
             self.replays += 1
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
-            return tuple(out.clone() for out in graphed(*args, *self._replay_parameters()))
+            return tuple(out.clone() for out in _Replay.apply(graphs, *args, *self._passed))
         self.eager_calls += 1
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
@@ -97,39 +99,98 @@ class GraphedMethod:
         captured = []
         if not self._parameters:  # listed once; a replay only compares their addresses
             self._parameters = tuple(self.module.parameters())
-            # The graphs read the parameters where they live: leaves of their own over the same storage
-            # (a replay copies a parameter in only if its storage moved since). The replays pass other
-            # leaves over it again: the captured graph keeps the capture's leaves' gradient accumulators
-            # alive on the capture's stream, and autograd would sync every gradient with that stream.
-            self._aliases = tuple(_alias(p) for p in self._parameters)
-            self._replayed = tuple(self._gradients_into(p, _alias(p)) for p in self._parameters)
             self._addresses = tuple(p.data_ptr() for p in self._parameters)
+            self._passed = tuple(p for p in self._parameters if self._accumulator(p) is None)
+        # The graphs read the parameters where they live: leaves of their own over the same storage (_Call).
+        aliases = tuple(_alias(p) for p in self._parameters)
+        into = tuple(self._accumulator(p) for p in self._parameters)
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
-                self.graphs[signature] = torch.cuda.make_graphed_callables(
-                    call, (*self._samples.pop(signature), *self._aliases), num_warmup_iters=self.warmup
-                )
+                self.graphs[signature] = _Graphs(call, self._samples.pop(signature), aliases, into, self.warmup)
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
 
-    def _gradients_into(self, parameter: nn.Parameter, alias: torch.Tensor) -> torch.Tensor:
-        """What a replay passes for ``parameter``: ``alias`` whose ``.grad`` is the parameter's accumulator
-        (autograd adds the replay's gradient into it in place), or the parameter itself (its gradient then
-        reaches ``.grad`` and the hooks on it)."""
-        into = self.accumulators.get(parameter)
-        if into is None or (into.shape, into.dtype, into.device) != (alias.shape, alias.dtype, alias.device):
-            return parameter
-        alias.grad = into
-        return alias
+    def _accumulator(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Where the backward graph adds ``p``'s gradient; None: it goes to autograd (``.grad``)."""
+        into = self.accumulators.get(p)
+        fits = into is not None and (into.shape, into.dtype, into.device) == (p.shape, p.dtype, p.device)
+        return into if fits else None
 
-    def _replay_parameters(self) -> tuple[torch.Tensor, ...]:
-        """The aliases stand for the parameters while the parameters' storage is where the capture found it;
-        a parameter moved since (``param.data = ...``) is passed itself, copied in by the replay."""
+    def _in_place(self) -> bool:
+        """Whether the parameters' storage is where the capture found it; if not, the graphs are dropped (and
+        the signatures counted again from zero)."""
         if tuple(p.data_ptr() for p in self._parameters) == self._addresses:
-            return self._replayed
-        return self._parameters
+            return True
+        log.warning("%s: a parameter's storage moved since the capture: graphs dropped, running eagerly", self.name)
+        self.graphs.clear()
+        self._calls.clear()
+        self._told.clear()
+        self._parameters = ()
+        return False
+
+
+class _Graphs:
+    """The forward and backward graphs of ``call(*inputs, *parameters)`` for one signature, recorded as
+    ``torch.cuda.make_graphed_callables`` records them (warm-up iterations on a side stream, both graphs in
+    one memory pool), except that the backward graph also adds each parameter's gradient into its
+    accumulator (``into``; None: the gradient is handed to autograd)."""
+
+    def __init__(self, call, samples: tuple[torch.Tensor, ...], aliases, into, warmup: int):
+        surface = (*samples, *aliases)
+        wanted = [t for t in surface if t.requires_grad]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(warmup):
+                outputs = [o for o in call(*surface) if o.requires_grad]
+                torch.autograd.grad(outputs, wanted, [torch.empty_like(o) for o in outputs], allow_unused=True)
+            del outputs
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward, pool=pool):
+            self.outputs = tuple(call(*surface))
+        self.grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in self.outputs)
+        with torch.cuda.graph(self.backward, pool=pool):
+            grads = torch.autograd.grad(
+                [o for o in self.outputs if o.requires_grad],
+                wanted,
+                [g for g in self.grad_outputs if g is not None],
+                allow_unused=True,
+            )
+            by_input = dict(zip(map(id, wanted), grads))
+            added = [(a, by_input.get(id(p))) for p, a in zip(aliases, into) if a is not None]
+            added = [(a, g) for a, g in added if g is not None]
+            if added:
+                torch._foreach_add_([a for a, _ in added], [g for _, g in added])
+        self.inputs = samples
+        # the gradients handed to autograd: the inputs', then the parameters' that have no accumulator
+        handed = (*samples, *(p for p, a in zip(aliases, into) if a is None))
+        self.grad_inputs = tuple(by_input.get(id(t)) for t in handed)
+
+
+class _Replay(torch.autograd.Function):
+    """Replays a ``_Graphs``: ``apply(graphs, *inputs, *parameters without accumulator)``."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graphs = graphs
+        for static, value in zip(graphs.inputs, tensors):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+        graphs.forward.replay()
+        return tuple(o.detach() for o in graphs.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        graphs = ctx.graphs
+        for static, grad in zip(graphs.grad_outputs, grads):
+            if static is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        graphs.backward.replay()
+        return (None, *(g if g is None else g.detach() for g in graphs.grad_inputs))
 
 
 class GraphedAdamW(torch.optim.AdamW):
@@ -220,7 +281,8 @@ class _Call(nn.Module):
     already created each parameter's gradient accumulator on the stream it was built on (the legacy
     default stream), and a backward capture that reached them would make that stream wait on the capture
     (cudaErrorStreamCaptureImplicit). The graph computes the gradients of its arguments instead, leaves over
-    the parameters' storage (``GraphedMethod.capture``); autograd hands them on outside the graph."""
+    the parameters' storage (``GraphedMethod.capture``), and adds them into their accumulators itself, or
+    hands them to autograd outside the graph (``_Graphs``)."""
 
     def __init__(self, module: nn.Module, method: str, autocast_dtype: torch.dtype | None):
         super().__init__()
