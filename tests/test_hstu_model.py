@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torchrec.sparse.jagged_tensor import JaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from conftest import engine_threads
 from lightning_runs import QUIET
@@ -24,7 +24,7 @@ from small_hstu import SMALL_MODEL, small_data
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
-from lightning_hstu.hstu.step import global_token_loss, in_bags, sparse_features
+from lightning_hstu.hstu.step import global_token_loss, global_tokens, in_bags, sparse_features
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
 
 ROOT = Path(__file__).parent.parent
@@ -161,6 +161,35 @@ def test_the_global_token_loss_equals_the_single_process_loss_on_the_whole_batch
     the whole item table, so the loss is additive over samples."""
     for mean, single in run_on_ranks(_global_token_loss, tmp_path):
         assert mean == pytest.approx(single, rel=1e-5)
+
+
+def _token_counts(rank, world):
+    """``global_tokens`` of each rank's batch: with and without the per-key counts on the host."""
+    data = small_data()
+    data.setup()
+    batches = list(data.train_dataloader())
+    mine = batches[rank]
+    known = mine.features.length_per_key_or_none() is not None
+    features = mine.features
+    unknown = HSTUBatch(KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=features.lengths()))
+    return (
+        known,
+        global_tokens(mine),
+        global_tokens(unknown),
+        int(sum(b.sequence_lengths().sum() for b in batches[:world])),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_global_token_count_is_every_rank_s_events(tmp_path, world):
+    """The loss is normalised by the events of all ranks' batches: all-reduced on several ranks; on one
+    rank read from the batch's per-key counts on the host (a number, no device work) where it knows
+    them, else summed from its lengths."""
+    for known, from_counts, from_lengths, events in run_on_ranks(_token_counts, tmp_path, world=world):
+        assert known  # the loader's batches carry their per-key counts
+        assert isinstance(from_counts, float) == (world == 1)
+        assert float(from_counts) == float(from_lengths) == events
+        assert isinstance(from_lengths, torch.Tensor)
 
 
 def _bagged_lookup(rank, world):

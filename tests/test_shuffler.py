@@ -45,6 +45,22 @@ def test_select_and_concat_keep_each_history_whole():
     assert histories(picked) == {u: histories(both)[u] for u in (7, 0, 3)}
 
 
+def test_a_batch_gives_its_keys_values_and_history_lengths_as_the_features_hold_them():
+    """``values_of`` (one split where the per-key counts are known) and ``sequence_lengths`` (a view of the
+    lengths) give what TorchRec's per-key lookup gives: for a batch that knows its counts, one that does
+    not, and one the shuffler's select made."""
+    known = make_batch(range(0, 6), seed=3)
+    f = known.features
+    unknown = HSTUBatch(KeyedJaggedTensor(keys=f.keys(), values=f.values(), lengths=f.lengths()))
+    assert unknown.features.length_per_key_or_none() is None
+    for batch in (known, unknown, known.select(torch.tensor([4, 1, 5]))):
+        features = batch.features
+        values = batch.values_of("user", "item", "action")
+        for key, got in zip(("user", "item", "action"), values):
+            assert torch.equal(got, features[key].values()), key
+        assert torch.equal(batch.sequence_lengths(), features["item"].lengths())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_samples_are_picked_without_waiting_for_it():
     """A batch that came from the host is cut on the GPU from a plan made on the host: no device sync."""

@@ -27,7 +27,21 @@ class HSTUBatch:
         return self.features.stride()
 
     def sequence_lengths(self) -> torch.Tensor:
-        return self.features[self.sequence_keys[0]].lengths()
+        """The histories' lengths (the first sequence key's): a view of the features' lengths."""
+        features = self.features
+        index = features.keys().index(self.sequence_keys[0])
+        return features.lengths().reshape(len(features.keys()), -1)[index]
+
+    def values_of(self, *keys: str) -> tuple[torch.Tensor, ...]:
+        """The values of ``keys``, in that order: views of the features' values, made by one split where the
+        KeyedJaggedTensor knows its per-key counts (on the step's host a lookup per key through TorchRec's
+        ``KeyedJaggedTensor.__getitem__`` makes a JaggedTensor and two slices each)."""
+        features = self.features
+        per_key = features.length_per_key_or_none()
+        if per_key is None:
+            return tuple(features[key].values() for key in keys)
+        every = dict(zip(features.keys(), features.values().split(per_key)))
+        return tuple(every[key] for key in keys)
 
     def lengths_on_host(self) -> torch.Tensor:
         """The features' lengths (every key's, key after key) in host memory: a copy from the GPU (which

@@ -54,16 +54,21 @@ def in_bags(features: KeyedJaggedTensor, bag: int) -> KeyedJaggedTensor:
     )
 
 
-def global_tokens(batch: HSTUBatch) -> torch.Tensor:
-    """The token count of every rank's batch together, all-reduced (on one rank: its own, no collective);
-    stays a tensor (no host sync)."""
+def global_tokens(batch: HSTUBatch) -> torch.Tensor | float:
+    """The token count of every rank's batch together, all-reduced; stays a tensor (no host sync). On one
+    rank, where the batch's KeyedJaggedTensor knows its per-key counts on the host (the loader's batches
+    do), that count as a number: no collective and no PyTorch call."""
+    if dist.get_world_size() == 1:
+        per_key = batch.features.length_per_key_or_none()
+        if per_key is not None and (count := per_key[batch.features.keys().index(batch.sequence_keys[0])]) > 0:
+            return float(count)
     tokens = batch.sequence_lengths().sum().to(torch.float32)
     if dist.get_world_size() > 1:
         dist.all_reduce(tokens)
     return tokens
 
 
-def global_token_scale(tokens: torch.Tensor) -> torch.Tensor:
+def global_token_scale(tokens: torch.Tensor | float) -> torch.Tensor | float:
     """Factor for a rank's summed loss so that the data-parallel mean over ranks is the loss of the whole
     global batch per token (``tokens``: the all-reduced token count)."""
     return dist.get_world_size() / tokens

@@ -615,16 +615,13 @@ class HSTUObjectives(nn.Module):
     ) -> DenseInputs | JaggedInputs:
         """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives."""
         lengths = batch.sequence_lengths()
+        target_ids, sampled_ids, actions, times = batch.values_of("item", "item_neg", "action", "time")
         items = embeddings["item"].values()
         looked_up = embeddings["item_neg"].values()
         negatives, negative_ids = (
-            self._negatives(batch, looked_up, len(lengths))
-            if training
-            else (looked_up[:0], batch.features["item_neg"].values()[:0])
+            self._negatives(sampled_ids, looked_up, len(lengths)) if training else (looked_up[:0], sampled_ids[:0])
         )
         events, user = items + embeddings["action"].values(), embeddings["user"].values()
-        times, actions = batch.features["time"].values(), batch.features["action"].values()
-        target_ids = batch.features["item"].values()
         if self.fused(items.device):
             capacity = token_capacity(len(items), self.max_events * len(lengths)) if static else len(items)
             pad = functools.partial(_pad_rows, rows=capacity)
@@ -652,11 +649,11 @@ class HSTUObjectives(nn.Module):
             mask=pad.mask,
         )
 
-    def _negatives(self, batch: HSTUBatch, looked_up: torch.Tensor, batch_size: int):
-        """The ``item_neg`` rows and ids in the shape the retrieval loss takes (see ``DenseInputs``)."""
+    def _negatives(self, ids: torch.Tensor, looked_up: torch.Tensor, batch_size: int):
+        """The ``item_neg`` rows and ids (the batch's) in the shape the retrieval loss takes (see
+        ``DenseInputs``)."""
         if self.retrieval == "full":
             return self._catalogue(looked_up)
-        ids = batch.features["item_neg"].values()
         if self.retrieval == "sampled":
             return looked_up.view(batch_size, -1, looked_up.shape[-1]), ids.view(batch_size, -1)
         return looked_up[:0], ids[:0]  # in_batch: the targets are the negatives
