@@ -6,9 +6,10 @@ that a machine's drift over a lease falls on each alike; per process, the median
         --on-nonfinite-loss stop --batches 110 --warmup 300 --steps 700 --every 100
 
 A version is a git revision (its ``lightning_hstu`` exported with ``git archive``), a directory holding a
-``lightning_hstu`` package (a copy with a change under trial), or ``plain`` (``profile_user_path.py --plain``
-with the first version's package). Everything after ``--`` goes to ``profile_user_path.py``. ``--cpus 0-7``
-pins every process to those cores. Prints each round's ms/step per version, then per version the median
+``lightning_hstu`` package (a copy with a change under trial), ``plain`` (``profile_user_path.py --plain``
+with the first version's package) or ``lightning`` (``--lightning``, Lightning's own loop, the same
+package). Everything after ``--`` goes to ``profile_user_path.py``. ``--cpus 0-7`` pins every process to
+those cores. Prints each round's ms/step per version, then per version the median
 over rounds and, against the first version, each round's difference and in how many rounds it was faster.
 
 With ``--thread-cpu`` among the passed arguments it also prints each process's CPU time per step of the
@@ -29,12 +30,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
+LOOPS = {"plain": "--plain", "lightning": "--lightning"}
+"""Versions that are another loop over the first version's package: their flag of ``profile_user_path.py``."""
 THREAD_CPU = re.compile(r"^\s+(hstu-main|MainThread|pt_autograd_\d+)\b[^\n]*?([0-9.]+) ms/step$", re.MULTILINE)
 
 
 def export(version: str, into: Path) -> Path:
     """The directory whose ``lightning_hstu`` is ``version``'s."""
-    if version == "plain":
+    if version in LOOPS:
         return into
     if (Path(version) / "lightning_hstu").is_dir():
         return Path(version).resolve()
@@ -62,11 +65,11 @@ def cores(spec: str | None) -> set[int] | None:
     return out
 
 
-def run(package: Path, plain: bool, args: list[str], cpus: set[int] | None) -> tuple[float, str, float | None]:
+def run(package: Path, loop: str | None, args: list[str], cpus: set[int] | None) -> tuple[float, str, float | None]:
     """One process of ``profile_user_path.py``: the median of its windows' ms/step, the windows, and (with
     ``--thread-cpu``) the stepping thread's CPU time per step over autograd's thread's, else None."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *(["--plain"] if plain else [])]
+    command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *([loop] if loop else [])]
     result = subprocess.run(
         command,
         cwd=HERE,
@@ -98,17 +101,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", help="pin the processes to these cores, e.g. 0-7")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if args.versions[0] == "plain":
-        raise SystemExit("the first version is the baseline and gives plain its package: name a revision first")
+    if args.versions[0] in LOOPS:
+        raise SystemExit(
+            f"the first version is the baseline and gives {args.versions[0]} its package: name a revision first"
+        )
     pinned = cores(args.cpus)
     with tempfile.TemporaryDirectory() as scratch:
         packages = {v: export(v, Path(scratch)) for v in args.versions}
-        packages["plain"] = packages[args.versions[0]]
+        packages.update({loop: packages[args.versions[0]] for loop in LOOPS})
         medians: dict[str, list[float]] = {v: [] for v in args.versions}
         ratios: dict[str, list[float]] = {v: [] for v in args.versions}
         for round_ in range(1, args.rounds + 1):
             for version in args.versions:
-                median, windows, ratio = run(packages[version], version == "plain", passed, pinned)
+                median, windows, ratio = run(packages[version], LOOPS.get(version), passed, pinned)
                 medians[version].append(median)
                 if ratio is not None:
                     ratios[version].append(ratio)
