@@ -14,6 +14,18 @@ def engine_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("hstu-") and t.is_alive()]
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_without_a_cpu_backend():
+    """A GPU test's fit leaves its NCCL default process group in the process (Lightning destroys it at exit
+    only), and the strategy refuses a CPU fit on it: destroyed after the test, so that the CPU tests after it
+    make their own. Groups that serve CPU tensors (the CPU tests' gloo) are kept, as Lightning keeps them."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and "cpu" not in str(dist.get_backend_config()):
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def no_thread_left():
     """Fails the test if an engine thread is still alive when it ends."""

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import engine_threads
 from lightning_runs import QUIET, fit
+from ranks import run_script
 from tracing import TracingWorkload
 
 from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, PlanError, StepTimeout, get_plan
@@ -154,6 +155,17 @@ def test_an_unknown_hstu_strategy_name_is_a_plan_error_listing_the_presets():
     assert str(info.value).endswith(", ".join(f"hstu_{name}" for name in PRESET_NAMES))
     with pytest.raises(ValueError, match="invalid strategy name"):  # other names: Lightning's own error
         pl.Trainer(strategy="nope", accelerator="cpu", devices=1)
+
+
+def test_a_process_group_left_without_a_cpu_backend_is_named_before_a_cpu_fit(tmp_path):
+    """An earlier GPU run leaves its NCCL default group in the process (Lightning destroys it at exit only); a
+    CPU fit after it is refused before anything runs, with what to do, not at its first collective."""
+    result = run_script(Path(__file__).parent / "scripts" / "fit_after_a_cuda_group.py", tmp_path, timeout=300)
+    assert result.returncode != 0
+    assert "default process group already exists in this process" in result.stderr
+    assert "with the backends 'cuda:gloo': none for cpu tensors" in result.stderr
+    assert "Call torch.distributed.destroy_process_group() before this Trainer" in result.stderr
+    assert "No backend type associated" not in result.stderr
 
 
 def test_a_mid_epoch_resume_with_another_batch_size_is_refused(tmp_path):

@@ -214,6 +214,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        _check_default_group(self.root_device)
         if self.step_timeout is not None:
             process_groups.enable_flight_recorder()  # before the first process group exists
         super().setup_environment()
@@ -341,6 +342,24 @@ class HSTUPipelineStrategy(DDPStrategy):
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()
         super().teardown()
+
+
+def _check_default_group(device: torch.device) -> None:
+    """Lightning keeps using a default process group that already exists in the process (an earlier run's: it
+    is destroyed only at exit); one without a backend for ``device``'s tensors (an earlier GPU run's NCCL,
+    then a run on the CPU) would fail at this run's first collective with "No backend type associated with
+    device type cpu". Say so before anything runs."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    config = str(dist.get_backend_config())  # "cuda:nccl", "cpu:gloo,cuda:gloo", ...
+    served = [pair.partition(":")[0] for pair in config.split(",")]
+    if device.type not in served:
+        raise RuntimeError(
+            f"torch.distributed's default process group already exists in this process (an earlier run made it; "
+            f"Lightning keeps it until the process exits) with the backends '{config}': none for {device.type} "
+            f"tensors, where this Trainer runs. Call torch.distributed.destroy_process_group() before this "
+            f"Trainer, or run it in a process of its own"
+        )
 
 
 def _keep_shards_local(module: torch.nn.Module) -> None:
