@@ -72,7 +72,8 @@ PRESET_NOTES: Mapping[str, str] = {
     # with the balanced shuffler (2026-11-30). Run-to-run noise on those machines is about +-20%.
     "legacy_none": "the reference: light 15.9; 22.1 ms/step, no threaded preset beats it reliably there (the step "
     "is host-bound, threads share one GIL); with capture_graphs=True and on_nonfinite_loss='stop' 7.5 ms/step "
-    "in a process of its own against the plain loop's 11.7 (2026-12-01, night); 2 GPUs 27.2 ms, the shuffle "
+    "in a process of its own against the plain loop's 11.7 (2026-12-01, night), 4.8-6.0 against 12.0-16.1 "
+    "(2026-12-02, three runs); 2 GPUs 27.2 ms, the shuffle "
     "serial with the step",
     "default_d3": "light +9%; +5%",
     "by_stream_d3": "light +8% (2026-11-30)",
