@@ -14,9 +14,11 @@ over rounds and, against the first version, each round's difference and in how m
 
 With ``--thread-cpu`` among the passed arguments it also prints each process's CPU time per step of the
 stepping thread (the engine's ``hstu-main``, or the plain loop's ``MainThread``) and of autograd's device
-thread, and their ratio: where a change leaves autograd's work alone, its CPU time shows how fast that
-process's CPU ran (it moves by 10-20% between processes of one lease on the GPU machines), and the ratio
-compares the stepping thread's work across processes without that drift.
+thread, and their ratio, and per version the medians of the three: where a change leaves autograd's work
+alone, its CPU time shows how fast that process's CPU ran (it moves by 10-20% between processes of one lease
+on the GPU machines), and the ratio compares the stepping thread's work across processes without that drift;
+where a change moves work off or onto autograd's thread (the gradients added in the backward graph did), the
+two threads' own medians compare, not the ratio.
 """
 
 import argparse
@@ -65,9 +67,11 @@ def cores(spec: str | None) -> set[int] | None:
     return out
 
 
-def run(package: Path, loop: str | None, args: list[str], cpus: set[int] | None) -> tuple[float, str, float | None]:
+def run(
+    package: Path, loop: str | None, args: list[str], cpus: set[int] | None
+) -> tuple[float, str, tuple[float, float] | None]:
     """One process of ``profile_user_path.py``: the median of its windows' ms/step, the windows, and (with
-    ``--thread-cpu``) the stepping thread's CPU time per step over autograd's thread's, else None."""
+    ``--thread-cpu``) the stepping thread's and autograd's thread's CPU ms per step, else None."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *([loop] if loop else [])]
     result = subprocess.run(
@@ -81,16 +85,17 @@ def run(package: Path, loop: str | None, args: list[str], cpus: set[int] | None)
     windows = [float(m) for m in WINDOW.findall(result.stdout)]
     if result.returncode or not windows:
         raise SystemExit(f"{' '.join(command)} (PYTHONPATH {package}) failed:\n{result.stderr[-3000:]}")
-    described, ratio = " ".join(f"{w:.2f}" for w in windows), None
+    described, threads = " ".join(f"{w:.2f}" for w in windows), None
     cpu = {
         ("autograd" if name.startswith("pt_autograd") else name): float(ms)
         for name, ms in THREAD_CPU.findall(result.stdout)
     }
     stepping = cpu.get("hstu-main", cpu.get("MainThread"))
     if stepping is not None and cpu.get("autograd"):
-        ratio = stepping / cpu["autograd"]
-        described += f"; CPU ms/step: stepping thread {stepping:.2f}, autograd {cpu['autograd']:.2f}, ratio {ratio:.2f}"
-    return statistics.median(windows), described, ratio
+        threads = (stepping, cpu["autograd"])
+        described += f"; CPU ms/step: stepping thread {stepping:.2f}, autograd {cpu['autograd']:.2f}, ratio "
+        described += f"{stepping / cpu['autograd']:.2f}"
+    return statistics.median(windows), described, threads
 
 
 def main() -> None:
@@ -110,13 +115,13 @@ def main() -> None:
         packages = {v: export(v, Path(scratch)) for v in args.versions}
         packages.update({loop: packages[args.versions[0]] for loop in LOOPS})
         medians: dict[str, list[float]] = {v: [] for v in args.versions}
-        ratios: dict[str, list[float]] = {v: [] for v in args.versions}
+        threads: dict[str, list[tuple[float, float]]] = {v: [] for v in args.versions}
         for round_ in range(1, args.rounds + 1):
             for version in args.versions:
-                median, windows, ratio = run(packages[version], LOOPS.get(version), passed, pinned)
+                median, windows, cpu = run(packages[version], LOOPS.get(version), passed, pinned)
                 medians[version].append(median)
-                if ratio is not None:
-                    ratios[version].append(ratio)
+                if cpu is not None:
+                    threads[version].append(cpu)
                 print(f"round {round_} {version:>14}: {median:6.2f} ms/step  (windows {windows})", flush=True)
     base = medians[args.versions[0]]
     print("\nmedian over rounds, and against the first version round by round:")
@@ -126,9 +131,12 @@ def main() -> None:
         line = f"{version:>14}: {statistics.median(values):6.2f} ms/step"
         if version != args.versions[0]:
             line += f"  ({', '.join(f'{d:+.2f}' for d in deltas)}; faster in {faster} of {len(deltas)})"
-        if ratios[version]:
-            line += f"; stepping/autograd CPU median {statistics.median(ratios[version]):.2f}"
-            line += f" ({', '.join(f'{r:.2f}' for r in ratios[version])})"
+        if threads[version]:
+            stepping, autograd = zip(*threads[version])
+            ratios = [s / a for s, a in threads[version]]
+            line += f"; CPU ms/step medians: stepping {statistics.median(stepping):.2f}, autograd "
+            line += f"{statistics.median(autograd):.2f}, ratio {statistics.median(ratios):.2f}"
+            line += f" ({', '.join(f'{r:.2f}' for r in ratios)})"
         print(line)
 
 
