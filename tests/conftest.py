@@ -20,10 +20,11 @@ def no_process_group_without_a_cpu_backend():
     only), and the strategy refuses a CPU fit on it: destroyed after the test, so that the CPU tests after it
     make their own. Groups that serve CPU tensors (the CPU tests' gloo) are kept, as Lightning keeps them."""
     yield
-    import torch.distributed as dist
+    from lightning_hstu.strategies.process_groups import default_group_backends
 
-    if dist.is_available() and dist.is_initialized() and "cpu" not in str(dist.get_backend_config()):
-        dist.destroy_process_group()
+    backends = default_group_backends()
+    if backends and "cpu" not in backends:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

@@ -349,11 +349,9 @@ def _check_default_group(device: torch.device) -> None:
     is destroyed only at exit); one without a backend for ``device``'s tensors (an earlier GPU run's NCCL,
     then a run on the CPU) would fail at this run's first collective with "No backend type associated with
     device type cpu". Say so before anything runs."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    config = str(dist.get_backend_config())  # "cuda:nccl", "cpu:gloo,cuda:gloo", ...
-    served = [pair.partition(":")[0] for pair in config.split(",")]
-    if device.type not in served:
+    backends = process_groups.default_group_backends()
+    if backends and device.type not in backends:
+        config = ",".join(f"{kind}:{backend}" for kind, backend in backends.items())
         raise RuntimeError(
             f"torch.distributed's default process group already exists in this process (an earlier run made it; "
             f"Lightning keeps it until the process exits) with the backends '{config}': none for {device.type} "

@@ -36,6 +36,14 @@ def process_group_timeout(step_timeout: float) -> timedelta:
     return timedelta(seconds=2 * step_timeout + 60)
 
 
+def default_group_backends() -> dict[str, str]:
+    """The default process group's backend per device type (``{"cuda": "nccl"}``, ``{"cpu": "gloo", "cuda":
+    "gloo"}``, ...); empty when there is no default group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    return dict(pair.split(":") for pair in str(dist.get_backend_config()).split(","))
+
+
 def enable_flight_recorder() -> None:
     """Have torch's flight recorder keep the last collectives of every process group (NCCL and gloo),
     unless the environment already sizes it (``TORCH_FR_BUFFER_SIZE``, or its older name
