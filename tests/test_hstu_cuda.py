@@ -171,11 +171,11 @@ def test_random_host_delays_change_nothing_with_graphs(padded_eager):
 
 
 class CapacityLog(GraphedMethod):
-    """Records the token capacity (rows of the padded events) of every call."""
+    """Records the token capacity (the rows the events are grown to) of every call."""
 
-    def __call__(self, *args):
-        self.capacities.append(args[0].shape[0])
-        return super().__call__(*args)
+    def __call__(self, *args, rows=None, grown=()):
+        self.capacities.append(rows)
+        return super().__call__(*args, rows=rows, grown=grown)
 
 
 class FusedGraphs(HSTURecommender):

@@ -41,7 +41,9 @@ class GraphedMethod:
     the replayed backward adds their gradients instead of into ``.grad`` (``MegatronDenseGrads.accumulators``:
     megatron-core's ``main_grad``); a parameter not in it gets its gradient in ``.grad``. Once a parameter's
     storage moved (``param.data = ...``) the graphs no longer read it: they are dropped, and the calls run
-    eagerly until captured again."""
+    eagerly until captured again. Token-wise arguments can be grown to a fixed number of rows (``__call__``'s
+    ``rows`` and ``grown``; the method must treat zero rows as no tokens), so that one graph serves calls of
+    any token count up to it."""
 
     def __init__(
         self,
@@ -66,14 +68,24 @@ class GraphedMethod:
         self._passed: tuple[nn.Parameter, ...] = ()  # those whose gradient autograd delivers (no accumulator)
         self._addresses: tuple[int, ...] = ()
 
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        signature = _signature(args)
+    def __call__(
+        self, *args: torch.Tensor, rows: int | None = None, grown: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """``module.<method>(*args)``, with the arguments at the positions ``grown`` (token-wise: one row per
+        token) grown to ``rows`` rows by zero rows at their end, so that calls of any token count up to
+        ``rows`` share one signature. A replay writes them into the graph's input buffers and zeros only the
+        rows an earlier call left there; their gradients come back for their own rows."""
+        for i in grown:
+            if rows is None or len(args[i]) > rows:
+                raise ValueError(f"{self.name}: argument {i} has {len(args[i])} rows, more than rows={rows}")
+        signature = _signature(args, rows, grown)
         graphs = self.graphs.get(signature)
         if graphs is not None and self._in_place():
             self.replays += 1
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
-            return tuple(out.clone() for out in _Replay.apply(graphs, *args, *self._passed))
+            return tuple(out.clone() for out in _Replay.apply(graphs, grown, *args, *self._passed))
         self.eager_calls += 1
+        args = tuple(_grown(a, rows) if i in grown else a for i, a in enumerate(args))
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
             if signature not in self._samples and len(self.graphs) < self.max_graphs:
@@ -165,19 +177,27 @@ class _Graphs:
             if added:
                 torch._foreach_add_([a for a, _ in added], [g for _, g in added])
         self.inputs = samples
+        self.filled = [len(t) if t.dim() else 0 for t in samples]  # rows a grown input's last call wrote
         # the gradients handed to autograd: the inputs', then the parameters' that have no accumulator
         handed = (*samples, *(p for p, a in zip(aliases, into) if a is None))
         self.grad_inputs = tuple(by_input.get(id(t)) for t in handed)
 
 
 class _Replay(torch.autograd.Function):
-    """Replays a ``_Graphs``: ``apply(graphs, *inputs, *parameters without accumulator)``."""
+    """Replays a ``_Graphs``: ``apply(graphs, grown, *inputs, *parameters without accumulator)``; the inputs at
+    the positions ``grown`` have at most their static buffer's rows (``GraphedMethod.__call__``)."""
 
     @staticmethod
-    def forward(ctx, graphs: _Graphs, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.graphs = graphs
-        for static, value in zip(graphs.inputs, tensors):
-            if static.data_ptr() != value.data_ptr():
+    def forward(ctx, graphs: _Graphs, grown: tuple[int, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graphs, ctx.rows = graphs, {}
+        for i, (static, value) in enumerate(zip(graphs.inputs, tensors)):
+            if i in grown:  # the real rows first; zero the rows past them that an earlier call wrote
+                rows, filled = len(value), graphs.filled[i]
+                static[:rows].copy_(value)
+                if filled > rows:
+                    static[rows:filled].zero_()
+                graphs.filled[i] = ctx.rows[i] = rows
+            elif static.data_ptr() != value.data_ptr():
                 static.copy_(value)
         graphs.forward.replay()
         return tuple(o.detach() for o in graphs.outputs)
@@ -190,7 +210,11 @@ class _Replay(torch.autograd.Function):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         graphs.backward.replay()
-        return (None, *(g if g is None else g.detach() for g in graphs.grad_inputs))
+        handed = (
+            None if g is None else (g[: ctx.rows[i]] if i in ctx.rows else g).detach()
+            for i, g in enumerate(graphs.grad_inputs)
+        )
+        return (None, None, *handed)
 
 
 class GraphedAdamW(torch.optim.AdamW):
@@ -310,14 +334,22 @@ class _Method(nn.Module):
         return getattr(self.owner, self.method)(*inputs)
 
 
-def _signature(args: tuple[torch.Tensor, ...]) -> Signature:
+def _signature(args: tuple[torch.Tensor, ...], rows: int | None = None, grown: tuple[int, ...] = ()) -> Signature:
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    return (*((tuple(a.shape), a.dtype, a.requires_grad) for a in args), autocast)
+    shapes = ((rows, *a.shape[1:]) if i in grown else tuple(a.shape) for i, a in enumerate(args))
+    return (*((shape, a.dtype, a.requires_grad) for shape, a in zip(shapes, args)), autocast)
 
 
 def _alias(parameter: nn.Parameter) -> torch.Tensor:
     """A leaf over ``parameter``'s storage (no copy), with its own gradient."""
     return parameter.detach().requires_grad_(parameter.requires_grad)
+
+
+def _grown(values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``values`` with zero rows appended up to ``rows``."""
+    if rows == len(values):
+        return values
+    return torch.cat([values, values.new_zeros((rows - len(values), *values.shape[1:]))])
 
 
 def _sample(value: torch.Tensor) -> torch.Tensor:

@@ -78,10 +78,12 @@ def dense_losses(
     objectives: nn.Module, batch: HSTUBatch, embeddings, graphed: GraphedMethod | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed retrieval and ranking losses; through ``graphed`` (``objectives.losses`` on inputs of
-    static shapes: padded to the model's length, or jagged with a token capacity) when given."""
+    static shapes: padded to the model's length, or jagged, grown to a token capacity) when given."""
     if graphed is None:
         return objectives(batch, embeddings)
-    return graphed(*objectives.dense_inputs(batch, embeddings, static=True))
+    inputs = objectives.dense_inputs(batch, embeddings, static=True)
+    rows, grown = objectives.graph_growth(inputs)
+    return graphed(*inputs, rows=rows, grown=grown)
 
 
 def global_token_loss(

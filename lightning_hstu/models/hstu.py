@@ -11,7 +11,6 @@ divided by the global token count (all ranks), so that the data-parallel mean of
 loss of the whole global batch.
 """
 
-import functools
 import importlib.util
 import math
 import os
@@ -256,9 +255,9 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     def hstu_graphs(self) -> dict[str, "GraphedMethod | GraphedAdamW"]:
         """What the engine captures when the plan marks forward capturable: the dense losses on inputs of
-        static shapes (``HSTUObjectives.dense_inputs(static=True)``): padded to the model's length, or
-        jagged with the token count rounded up to a capacity (one graph per capacity, up to
-        ``JAGGED_GRAPHS``); and the dense optimizer's step where it is a ``GraphedAdamW``
+        static shapes: padded to the model's length (``HSTUObjectives.dense_inputs(static=True)``), or
+        jagged, grown to the token count rounded up to a capacity (``HSTUObjectives.graph_growth``; one graph
+        per capacity, up to ``JAGGED_GRAPHS``); and the dense optimizer's step where it is a ``GraphedAdamW``
         (``configure_optimizers`` on a GPU)."""
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
@@ -468,8 +467,9 @@ class DenseInputs(NamedTuple):
 
 class JaggedInputs(NamedTuple):
     """The same inputs with every history's events back to back (no padding): ``C`` event rows, the
-    first ``lengths.sum()`` real. For a CUDA graph ``C`` is a capacity (``token_capacity``) and the rows
-    past the real ones are zero: the shapes then depend on the batch size and the capacity only."""
+    first ``lengths.sum()`` real. In a CUDA graph ``C`` is a capacity (``token_capacity``) and the rows
+    past the real ones are zero (``HSTUObjectives.graph_growth``): the shapes then depend on the batch size
+    and the capacity only."""
 
     events: torch.Tensor
     """[C, D] item + action embeddings."""
@@ -490,6 +490,9 @@ class JaggedInputs(NamedTuple):
     lengths: torch.Tensor
     """[B] events per history."""
 
+
+GROWN = tuple(JaggedInputs._fields.index(f) for f in ("events", "targets", "times", "actions", "target_ids"))
+"""The token-wise ``JaggedInputs``: grown to a token capacity in a CUDA graph."""
 
 JAGGED_GRAPHS = 12
 """Graphs of the jagged dense part, one per token capacity (``token_capacity``: four per power of two): 12
@@ -535,9 +538,10 @@ class HSTUObjectives(nn.Module):
 
     Holds no embedding table, so it is what megatron-core's DDP wraps (and what TorchRec's pipeline tracer
     treats as a leaf). ``losses`` takes the tensors of ``dense_inputs``: padded (the reference) or jagged
-    (the fused attention kernel), by the ``attention`` choice and the device; with ``static=True`` their
-    shapes are fixed per batch size (and capacity), with no host sync, so that they can be captured in a
-    CUDA graph. ``retrieval`` is a resolved choice of ``RETRIEVAL_LOSSES`` (not ``auto``)."""
+    (the fused attention kernel), by the ``attention`` choice and the device; with ``static=True`` the
+    padded ones have a fixed length, and ``graph_growth`` says how a CUDA graph grows the jagged ones to a
+    token capacity: shapes fixed per batch size (and capacity), with no host sync, so that they can be
+    captured. ``retrieval`` is a resolved choice of ``RETRIEVAL_LOSSES`` (not ``auto``)."""
 
     def __init__(
         self,
@@ -613,7 +617,8 @@ class HSTUObjectives(nn.Module):
     def dense_inputs(
         self, batch: HSTUBatch, embeddings, static: bool = False, training: bool = True
     ) -> DenseInputs | JaggedInputs:
-        """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives."""
+        """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives; ``static``
+        pads to the model's length (the padded layout; the jagged one is grown by the graph)."""
         lengths = batch.sequence_lengths()
         target_ids, sampled_ids, actions, times = batch.values_of("item", "item_neg", "action", "time")
         items = embeddings["item"].values()
@@ -623,16 +628,14 @@ class HSTUObjectives(nn.Module):
         )
         events, user = items + embeddings["action"].values(), embeddings["user"].values()
         if self.fused(items.device):
-            capacity = token_capacity(len(items), self.max_events * len(lengths)) if static else len(items)
-            pad = functools.partial(_pad_rows, rows=capacity)
             return JaggedInputs(
-                events=pad(events),
-                targets=pad(items),
+                events=events,
+                targets=items,
                 user=user,
                 negatives=negatives,
-                times=pad(times),
-                actions=pad(actions),
-                target_ids=pad(target_ids),
+                times=times,
+                actions=actions,
+                target_ids=target_ids,
                 negative_ids=negative_ids,
                 lengths=lengths,
             )
@@ -648,6 +651,14 @@ class HSTUObjectives(nn.Module):
             negative_ids=negative_ids,
             mask=pad.mask,
         )
+
+    def graph_growth(self, inputs: DenseInputs | JaggedInputs) -> tuple[int | None, tuple[int, ...]]:
+        """For ``GraphedMethod(rows=, grown=)``: the jagged inputs' token-wise tensors (events, targets, times,
+        actions, target ids) grown to the token capacity (``token_capacity``), so that a graph serves every
+        batch of the same size and capacity; nothing for the padded ones (static already)."""
+        if not isinstance(inputs, JaggedInputs):
+            return None, ()
+        return token_capacity(len(inputs.events), self.max_events * len(inputs.lengths)), GROWN
 
     def _negatives(self, ids: torch.Tensor, looked_up: torch.Tensor, batch_size: int):
         """The ``item_neg`` rows and ids (the batch's) in the shape the retrieval loss takes (see
@@ -790,13 +801,6 @@ def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(
         keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), stride=stride, length_per_key=per_key
     )
-
-
-def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """``values`` with zero rows appended up to ``rows``."""
-    if rows == len(values):
-        return values
-    return torch.cat([values, values.new_zeros((rows - len(values), *values.shape[1:]))])
 
 
 def embedding_tables(dim: int, num_items: int, num_users: int, num_actions: int) -> list[EmbeddingConfig]:
