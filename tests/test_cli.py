@@ -124,6 +124,16 @@ def test_fit_takes_the_preset_from_the_yaml_config(tmp_path):
     assert cli.trainer.global_step == 16  # 256 samples / batch 16, one epoch
 
 
+def test_the_fit_command_ends_with_no_process_group_left(tmp_path, capsys):
+    """``lightning-hstu fit`` destroys the process groups once the run ended normally (left to the
+    interpreter's exit, gloo's threads can abort a successful process with exit code -6)."""
+    import torch.distributed as dist
+
+    code, _, _ = run_cli(capsys, "fit", "--config", str(EXAMPLE), f"--trainer.default_root_dir={tmp_path}", *QUIET_CLI)
+    assert code == 0
+    assert not dist.is_initialized()
+
+
 def test_fit_takes_the_strategy_by_name_on_the_command_line(tmp_path):
     from lightning_hstu.cli import run_lightning_cli
 

@@ -21,7 +21,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET  # noqa: E402
+from lightning_runs import QUIET, end_process_groups  # noqa: E402
 
 
 class UnevenBatches(IterableDataset):
@@ -69,3 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_groups()
