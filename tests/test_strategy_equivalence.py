@@ -2,6 +2,7 @@
 in the same order, as under Lightning's default strategy."""
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
 from lightning_runs import assert_same_weights, fit
 
@@ -41,3 +42,20 @@ def test_the_scenarios_really_cut_epochs_short():
     assert baseline("max_steps_mid_epoch")[1].global_step == 7
     assert len(baseline("max_steps_mid_epoch")[0].batches_seen) == 7
     assert baseline("accumulate_grad_batches")[1].global_step == 2 * 4  # ceil(10 / 3) steps an epoch
+
+
+class TrainedModules(Callback):
+    def __init__(self):
+        self.types = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.types.add(type(trainer.strategy.model).__name__)
+
+
+def test_one_process_trains_the_module_itself_not_a_torch_ddp_wrapper():
+    """On one process there is no gradient to average: the strategy leaves torch DDP (its reducer's work and
+    a one-rank all-reduce in every backward) out, as Lightning's single-device strategy does; two ranks get
+    it (test_strategy_ranks.py: the same weights as Lightning's DDP)."""
+    seen = TrainedModules()
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[seen], limit_train_batches=3, max_epochs=1)
+    assert seen.types == {"ToyRecommender"}
