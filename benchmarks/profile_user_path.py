@@ -20,7 +20,12 @@ Two diagnostics of the steady state, from the end of the warmup on:
   time of ``torch.autograd.backward`` per call (the caller of backward waits for autograd's thread there).
   Without a profiler's overhead: the threads' times add up to the step where they run one after another.
 
-``--switch-interval S`` sets ``sys.setswitchinterval(S)`` (the GIL's hand-over interval) for the run."""
+``--switch-interval S`` sets ``sys.setswitchinterval(S)`` (the GIL's hand-over interval) for the run.
+``--pin-python-threads CORE`` puts the threads that run Python under the GIL (the caller's, the engine's
+``hstu-*``) on that one core from the end of the warmup, and leaves torch's own threads (autograd's device
+thread, NCCL's, the pinned-memory thread) where they were: a GIL hand-off then never moves a thread's
+Python working set from one core's caches to another's (on the 2-core CPU machine that took a toy step
+from 849 to 578 us, BENCHMARKS.md)."""
 
 import argparse
 import collections
@@ -94,6 +99,7 @@ def main():
     parser.add_argument("--trace-steps", type=int, default=20)
     parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run, in seconds")
+    parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -105,6 +111,7 @@ def main():
         ([_SyncSites()] if args.sync_debug else [])
         + ([_Trace(args.trace, args.trace_steps)] if args.trace else [])
         + ([_ThreadCPU(args.steps - 1)] if args.thread_cpu else [])
+        + ([_PinPython(args.pin_python_threads)] if args.pin_python_threads is not None else [])
     )
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -143,6 +150,23 @@ def main():
 def _report(diagnostics) -> None:
     for diagnostic in diagnostics:
         diagnostic.report()
+
+
+class _PinPython:
+    """At the end of the warmup, the caller's and the engine's threads on one core (Linux)."""
+
+    def __init__(self, core: int):
+        self.core, self.pinned = core, []
+
+    def at_step(self, done: int) -> None:
+        if done == 0:
+            for thread in threading.enumerate():
+                if thread.name == "MainThread" or thread.name.startswith("hstu-"):
+                    os.sched_setaffinity(thread.native_id, {self.core})
+                    self.pinned.append(thread.name)
+
+    def report(self) -> None:
+        print(f"pinned to core {self.core}: {', '.join(self.pinned)}")
 
 
 class _SyncSites:

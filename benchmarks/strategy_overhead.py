@@ -1,0 +1,165 @@
+"""Host cost per step of the user's path itself: a LightningModule whose step is a few tiny CPU ops, trained
+by a plain PyTorch loop, by Lightning's own loop (single-device, and DDP over the one process), and through
+``Trainer(strategy=HSTUPipelineStrategy(...))``: Lightning's loop under the strategy (``engine=False``), and
+the engine under each given preset, with the default step timeout and without one (``step_timeout=None``:
+no watchdog, the tasks of a one-thread preset and the batches' pulls on the caller's thread). The modes
+run in turns in one process, on the CPU. What the step computes is next to nothing, so the differences are
+the loops' own host work per step. On a GPU machine that work runs on the host while the GPU computes,
+and competes for the GIL with the threads that launch the step.
+
+    python benchmarks/strategy_overhead.py [--steps 3000] [--repeats 5] [--presets legacy_none default_d6]
+
+Prints per mode the median over repeats of the us per step (each repeat a fresh Trainer; the first
+``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from profile_user_path import _PinPython, _thread_cpu_s
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hstu import HSTUPipelineStrategy
+
+
+class Tiny(pl.LightningModule):
+    """A step of a few tiny ops: forward, backward and an SGD step over four weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.weight * x).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class _Clock(pl.Callback):
+    """The time, and each thread's CPU time, at the end of batch ``warmup - 1`` and of the last batch; the
+    Python threads pinned at batch 50 with ``pin``."""
+
+    def __init__(self, warmup: int, steps: int, pin: int | None):
+        self.warmup, self.steps, self.pin = warmup, steps, pin
+        self.start = self.end = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 50 and self.pin is not None:
+            _PinPython(self.pin).at_step(0)
+        if batch_idx == self.warmup - 1:
+            self.start = (time.perf_counter(), _thread_cpu_s())
+        elif batch_idx == self.steps - 1:
+            self.end = (time.perf_counter(), _thread_cpu_s())
+
+    def per_step_us(self) -> tuple[float, dict[str, float]]:
+        """Wall us per step, and each thread's CPU us per step (the engine's threads by name)."""
+        (began, before), (ended, after) = self.start, self.end
+        steps = self.steps - self.warmup - 1
+        threads = {name: (s - before.get(name, 0.0)) * 1e6 / steps for name, s in after.items()}
+        return (ended - began) * 1e6 / steps, {name: us for name, us in threads.items() if us >= 1.0}
+
+
+def loader(steps: int) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(steps, 4)), batch_size=1)
+
+
+def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
+    model = Tiny()
+    optimizer = model.configure_optimizers()
+    start = None
+    for index, batch in enumerate(loader(steps)):
+        if index == warmup:
+            start = (time.perf_counter(), _thread_cpu_s())
+        optimizer.zero_grad()
+        model.training_step(batch, index).backward()
+        optimizer.step()
+    end = _thread_cpu_s()
+    threads = {name: (s - start[1].get(name, 0.0)) * 1e6 / (steps - warmup) for name, s in end.items()}
+    wall = (time.perf_counter() - start[0]) * 1e6 / (steps - warmup)
+    return wall, {name: us for name, us in threads.items() if us >= 1.0}
+
+
+def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tuple[float, dict[str, float]]:
+    clock = _Clock(warmup, steps, pin)
+    cores = os.sched_getaffinity(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    try:
+        trainer.fit(Tiny(), loader(steps))
+    finally:
+        os.sched_setaffinity(0, cores)  # the caller's thread back on every core
+    return clock.per_step_us()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--presets", nargs="+", default=["legacy_none", "default_d6"])
+    parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
+    parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers and on the process group, every fit
+
+    def fit(strategy):
+        return lambda: trainer_us(args.steps, args.warmup, strategy(), args.pin_python_threads)
+
+    modes = {"plain loop": lambda: plain_us(args.steps, args.warmup)}
+    modes["Lightning's loop"] = fit(lambda: "auto")
+    modes["Lightning's loop, DDP"] = fit(lambda: "ddp")  # what the strategy builds on: DDP over one process
+    modes["user's path, engine=False"] = fit(lambda: HSTUPipelineStrategy(engine=False))
+    for preset in args.presets:
+        modes[f"user's path, {preset}"] = fit(lambda p=preset: HSTUPipelineStrategy(p))
+        modes[f"user's path, {preset}, no timeout"] = fit(lambda p=preset: HSTUPipelineStrategy(p, step_timeout=None))
+    times = {mode: [] for mode in modes}
+    threads = {mode: [] for mode in modes}
+    for _ in range(args.repeats):
+        for mode, run in modes.items():
+            wall, per_thread = run()
+            times[mode].append(wall)
+            threads[mode].append(per_thread)
+    pinned = f"; Python threads on core {args.pin_python_threads}" if args.pin_python_threads is not None else ""
+    print(
+        f"# {platform.processor() or 'cpu'}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{args.steps - args.warmup} timed steps, median of {args.repeats}{pinned}; {time.strftime('%Y-%m-%d %H:%M')}"
+    )
+    plain = statistics.median(times["plain loop"])
+    print(
+        f"{'mode':40} {'us/step':>9} {'spread':>8} {'over plain':>11}"
+        + ("  CPU us/step per thread" if args.thread_cpu else "")
+    )
+    for mode, values in times.items():
+        median = statistics.median(values)
+        line = f"{mode:40} {median:9.1f} {max(values) - min(values):8.1f} {median - plain:+11.1f}"
+        if args.thread_cpu:
+            names = sorted(
+                {n for t in threads[mode] for n in t},
+                key=lambda n: -statistics.median(t.get(n, 0.0) for t in threads[mode]),
+            )
+            line += "  " + ", ".join(
+                f"{n} {statistics.median(t.get(n, 0.0) for t in threads[mode]):.0f}" for n in names
+            )
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
