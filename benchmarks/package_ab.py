@@ -8,7 +8,9 @@ that a machine's drift over a lease falls on each alike; per process, the median
 A version is a git revision (its ``lightning_hstu`` exported with ``git archive``), a directory holding a
 ``lightning_hstu`` package (a copy with a change under trial), ``plain`` (``profile_user_path.py --plain``
 with the first version's package) or ``lightning`` (``--lightning``, Lightning's own loop, the same
-package). Everything after ``--`` goes to ``profile_user_path.py``. ``--cpus 0-7`` pins every process to
+package). Everything after ``--`` goes to ``profile_user_path.py``; a version followed by ``+`` and
+arguments gives that version's processes those arguments too (``main "main+--pin-python-threads 0"``: the
+same package with and without the option). ``--cpus 0-7`` pins every process to
 those cores. Prints each round's ms/step per version, then per version the median
 over rounds and, against the first version, each round's difference and in how many rounds it was faster.
 
@@ -24,6 +26,7 @@ two threads' own medians compare, not the ratio.
 import argparse
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -106,19 +109,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", help="pin the processes to these cores, e.g. 0-7")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if args.versions[0] in LOOPS:
+    specs = {v: (v.partition("+")[0], shlex.split(v.partition("+")[2])) for v in args.versions}
+    if specs[args.versions[0]][0] in LOOPS:
         raise SystemExit(
             f"the first version is the baseline and gives {args.versions[0]} its package: name a revision first"
         )
     pinned = cores(args.cpus)
     with tempfile.TemporaryDirectory() as scratch:
-        packages = {v: export(v, Path(scratch)) for v in args.versions}
-        packages.update({loop: packages[args.versions[0]] for loop in LOOPS})
+        packages = {}
+        for base, _ in specs.values():
+            if base not in packages and base not in LOOPS:
+                packages[base] = export(base, Path(scratch))
+        packages.update({loop: packages[specs[args.versions[0]][0]] for loop in LOOPS})
         medians: dict[str, list[float]] = {v: [] for v in args.versions}
         threads: dict[str, list[tuple[float, float]]] = {v: [] for v in args.versions}
         for round_ in range(1, args.rounds + 1):
             for version in args.versions:
-                median, windows, cpu = run(packages[version], LOOPS.get(version), passed, pinned)
+                base, extra = specs[version]
+                median, windows, cpu = run(packages[base], LOOPS.get(base), passed + extra, pinned)
                 medians[version].append(median)
                 if cpu is not None:
                     threads[version].append(cpu)
