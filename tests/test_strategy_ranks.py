@@ -39,6 +39,7 @@ def test_two_ranks_equal_lightnings_ddp(strategy, lightning_ddp, tmp_path):
     for got, expected in zip(ranks, lightning_ddp):
         assert got["seen"] == expected["seen"]  # each rank trained its DistributedSampler share, in order
         assert got["global_step"] == expected["global_step"] == 16
+        assert got["groups"] == expected["groups"] == 1  # the strategy's own gloo groups ended with the fit
         for name, value in expected["weights"].items():
             assert torch.equal(got["weights"][name], value), name
     for name, value in ranks[0]["weights"].items():  # and the ranks agree with each other

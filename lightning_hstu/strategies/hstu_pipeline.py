@@ -119,6 +119,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._epoch_loop: Any = None  # the engine's epoch loop, which owns the engine (while fitting)
         self._data_group: Any = None
         self._loader_group: Any = None
+        self._failed = False  # the stage ended by an exception: its groups are left as they are
 
     @classmethod
     @override
@@ -223,6 +224,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         if self.step_timeout is not None:
             process_groups.enable_flight_recorder()  # before the first process group exists
         super().setup_environment()
+        self._failed = False
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # for all_ranks() and rank_zero_flag(), and for all_ranks_have_batch()
             self._data_group = dist.new_group(
@@ -339,6 +341,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._failed = True
         if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down
             self._epoch_loop.close_engine()
 
@@ -346,7 +349,19 @@ class HSTUPipelineStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()
+        self._end_own_groups()
         super().teardown()
+
+    def _end_own_groups(self) -> None:
+        """Destroy the two gloo groups ``setup_environment`` made for this stage (each stage makes its own),
+        so that a process running several stages does not pile them up; not after an exception, when a
+        collective of this rank may still be waiting on one (destroying its group would wait for it)."""
+        groups, self._data_group, self._loader_group = (self._data_group, self._loader_group), None, None
+        if self._failed:
+            return
+        for group in groups:
+            if group is not None:
+                dist.destroy_process_group(group)
 
 
 def _check_default_group(device: torch.device) -> None:

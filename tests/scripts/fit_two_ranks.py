@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_hstu  # noqa: F401  (registers the hstu_* strategies)
@@ -50,8 +51,9 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
     else:
         trainer.fit(model, ToyDataModule(num_samples=128))
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    groups = len(dist.distributed_c10d._world.pg_map)  # the process groups left after fit
     torch.save(
-        {"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step},
+        {"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step, "groups": groups},
         f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt",
     )
 

@@ -1,5 +1,5 @@
-"""Two gloo ranks train the toy recommender briefly under the engine; then each asks the epoch loop's
-per-batch SIGTERM check, with each combination of the ranks' ``received_sigterm``; run by
+"""Two gloo ranks train the toy recommender briefly under the engine; at the end of training each asks the
+epoch loop's per-batch SIGTERM check, with each combination of the ranks' ``received_sigterm``; run by
 test_strategy_ranks.py.
 
     python sigterm_two_ranks.py OUT_DIR
@@ -23,8 +23,28 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from lightning_runs import QUIET, end_process_groups  # noqa: E402
 
 
+class AskEachCombination(pl.Callback):
+    """At the end of training (the strategy's groups still up), asks the epoch loop's SIGTERM check once per
+    combination of the two ranks' flags."""
+
+    def __init__(self):
+        self.raised = {}
+
+    def on_train_end(self, trainer, pl_module):
+        rank, loop = trainer.global_rank, trainer.fit_loop.epoch_loop
+        for flags in ((False, False), (False, True), (True, False), (True, True)):
+            trainer._signal_connector.received_sigterm = flags[rank]
+            try:
+                loop._broadcast_sigterm_tensor()
+                self.raised[flags] = False
+            except SIGTERMException:
+                self.raised[flags] = True
+        trainer._signal_connector.received_sigterm = False
+
+
 def main(out_dir: str) -> None:
     pl.seed_everything(0, verbose=False)
+    asked = AskEachCombination()
     trainer = pl.Trainer(
         strategy=HSTUPipelineStrategy("default_d6"),
         accelerator="cpu",
@@ -32,18 +52,10 @@ def main(out_dir: str) -> None:
         max_steps=3,
         **QUIET,
         limit_val_batches=0,
+        callbacks=[asked],
     )
     trainer.fit(ToyRecommender(), ToyDataModule(num_samples=128))
-    rank, loop = trainer.global_rank, trainer.fit_loop.epoch_loop
-    raised = {}
-    for flags in ((False, False), (False, True), (True, False), (True, True)):
-        trainer._signal_connector.received_sigterm = flags[rank]
-        try:
-            loop._broadcast_sigterm_tensor()
-            raised[flags] = False
-        except SIGTERMException:
-            raised[flags] = True
-    torch.save({"raised": raised}, f"{out_dir}/rank{rank}.pt")
+    torch.save({"raised": asked.raised}, f"{out_dir}/rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
