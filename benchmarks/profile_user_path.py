@@ -160,10 +160,13 @@ class _PinPython:
 
     def at_step(self, done: int) -> None:
         if done == 0:
-            for thread in threading.enumerate():
-                if thread.name == "MainThread" or thread.name.startswith("hstu-"):
-                    os.sched_setaffinity(thread.native_id, {self.core})
-                    self.pinned.append(thread.name)
+            self.pin()
+
+    def pin(self) -> None:
+        for thread in threading.enumerate():
+            if thread.name == "MainThread" or thread.name.startswith("hstu-"):
+                os.sched_setaffinity(thread.native_id, {self.core})
+                self.pinned.append(thread.name)
 
     def report(self) -> None:
         print(f"pinned to core {self.core}: {', '.join(self.pinned)}")

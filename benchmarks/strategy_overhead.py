@@ -54,18 +54,22 @@ class _Clock(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 50 and self.pin is not None:
-            _PinPython(self.pin).at_step(0)
+            _PinPython(self.pin).pin()
         if batch_idx == self.warmup - 1:
             self.start = (time.perf_counter(), _thread_cpu_s())
         elif batch_idx == self.steps - 1:
             self.end = (time.perf_counter(), _thread_cpu_s())
 
     def per_step_us(self) -> tuple[float, dict[str, float]]:
-        """Wall us per step, and each thread's CPU us per step (the engine's threads by name)."""
-        (began, before), (ended, after) = self.start, self.end
-        steps = self.steps - self.warmup - 1
-        threads = {name: (s - before.get(name, 0.0)) * 1e6 / steps for name, s in after.items()}
-        return (ended - began) * 1e6 / steps, {name: us for name, us in threads.items() if us >= 1.0}
+        return per_step_us(self.start, self.end, self.steps - self.warmup - 1)
+
+
+def per_step_us(start: tuple, end: tuple, steps: int) -> tuple[float, dict[str, float]]:
+    """Wall us per step between two (time, each thread's CPU seconds) readings, and each thread's CPU us per
+    step (the engine's threads by name; those under 1 us left out)."""
+    (began, before), (ended, after) = start, end
+    threads = {name: (s - before.get(name, 0.0)) * 1e6 / steps for name, s in after.items()}
+    return (ended - began) * 1e6 / steps, {name: us for name, us in threads.items() if us >= 1.0}
 
 
 def loader(steps: int) -> DataLoader:
@@ -82,10 +86,7 @@ def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
         optimizer.zero_grad()
         model.training_step(batch, index).backward()
         optimizer.step()
-    end = _thread_cpu_s()
-    threads = {name: (s - start[1].get(name, 0.0)) * 1e6 / (steps - warmup) for name, s in end.items()}
-    wall = (time.perf_counter() - start[0]) * 1e6 / (steps - warmup)
-    return wall, {name: us for name, us in threads.items() if us >= 1.0}
+    return per_step_us(start, (time.perf_counter(), _thread_cpu_s()), steps - warmup)
 
 
 def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tuple[float, dict[str, float]]:

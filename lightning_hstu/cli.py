@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     try:
         if words and words[0] in LIGHTNING_SUBCOMMANDS:
+            from .strategies.process_groups import end_process_groups
+
             run_lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
-            _end_process_groups()
+            end_process_groups()  # the run ended normally
             return 0
         args = _parser().parse_args(words)
         return args.run(args)
@@ -49,17 +51,6 @@ def run_lightning_cli(argv: list[str] | None):
     return FitThenTestCLI(
         args=argv, subclass_mode_model=True, subclass_mode_data=True, save_config_callback=_run_config_callback()
     )
-
-
-def _end_process_groups() -> None:
-    """After a run that ended normally, destroy this process's process groups (PyTorch's advice for the end
-    of a training process): left to the interpreter's exit, gloo's threads can abort the process ("terminate
-    called without an active exception", exit code -6) although the run succeeded. Not after an error: a
-    rank may still be inside a collective, which a gloo group's destruction would wait for."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _run_config_callback():

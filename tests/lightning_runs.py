@@ -2,10 +2,10 @@
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
+from lightning_hstu.strategies.process_groups import end_process_groups  # noqa: F401  (the rank scripts' end)
 
 QUIET = dict(
     logger=False,
@@ -38,11 +38,3 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert sa.keys() == sb.keys()
     for name in sa:
         assert torch.equal(sa[name], sb[name]), f"{name} differs by {(sa[name] - sb[name]).abs().max()}"
-
-
-def end_process_groups() -> None:
-    """What a script of several ranks does after its last collective (PyTorch's advice for a process's end):
-    destroy every process group, so that none is left to the interpreter's exit, where gloo's threads can
-    abort the process ("terminate called without an active exception", exit code -6)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -44,6 +44,15 @@ def default_group_backends() -> dict[str, str]:
     return dict(pair.split(":") for pair in str(dist.get_backend_config()).split(","))
 
 
+def end_process_groups() -> None:
+    """Destroy every process group of this process, as PyTorch advises at the end of a training process that
+    ended normally: left to the interpreter's exit, gloo's threads can abort it ("terminate called without an
+    active exception", exit code -6) although the run succeeded. Not after an error: a rank may still be
+    inside a collective, which a gloo group's destruction would wait for."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def enable_flight_recorder() -> None:
     """Have torch's flight recorder keep the last collectives of every process group (NCCL and gloo),
     unless the environment already sizes it (``TORCH_FR_BUFFER_SIZE``, or its older name
