@@ -3,8 +3,9 @@ then timed forward and forward + backward (CUDA events, median), beside the padd
 
     python benchmarks/hstu_attention_kernel.py [--shapes heavy seed] [--sweep]
 
-Shapes: batch 32, zipf(1.2)-like lengths (P(length > x) ~ x^-0.2, the benchmark's batches) capped at L,
-4 heads x 128 (attention and hidden width); heavy L=1024, seed L=4096. FLOPs per forward:
+Shapes: batch 32, zipf(1.2)-like lengths (P(length > x) ~ x^-0.2, the benchmark's batches) capped at L;
+heavy L=1024, 4 heads x 128 (attention and hidden width); seed L=4096, 4 heads x 256 (the seed's shape);
+seed_d128 the seed's lengths with 4 heads x 128. FLOPs per forward:
 sum_b n_b (n_b + 1) / 2 * heads * (2 attention_dim + 2 hidden_dim) (the causal pairs, two matrix products);
 a backward is counted as 2x the forward (model FLOPs: dq, dk, dv; the kernels' recomputation of the
 scores is not counted) and, beside it, as 2.5x (the convention of published HSTU kernel numbers).
@@ -21,7 +22,8 @@ from lightning_hstu.models.hstu_layers import HSTUConfig, PaddedTokens, Relative
 
 SHAPES = {
     "heavy": dict(max_len=1024, heads=4, dim=128),
-    "seed": dict(max_len=4096, heads=4, dim=128),
+    "seed": dict(max_len=4096, heads=4, dim=256),  # the seed's: 4 heads of 256 (kv_channels) over width 1024
+    "seed_d128": dict(max_len=4096, heads=4, dim=128),  # the same lengths with heads of 128
     "seed_h8": dict(max_len=4096, heads=8, dim=128),
 }
 SWEEP = (  # candidate launch settings, one kernel at a time (each checked against the reference before timing)
@@ -45,6 +47,21 @@ SWEEP = (  # candidate launch settings, one kernel at a time (each checked again
         {"dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
         for m, n, w, s in [(64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
     ]
+)
+SWEEP_WIDE = (  # the same for heads of 256: accumulators twice as wide
+    [
+        {"fwd": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 2)]
+    ]
+    + [
+        {"dkdv": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 3), (16, 64, 4, 2), (32, 128, 8, 2)]
+    ]
+    + [
+        {"dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)]
+    ]
+    + [{"bias_grads": "dkdv"}, {"bias_grads": "dkdv", "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}]
 )
 
 
@@ -128,12 +145,13 @@ def main():
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     check_lengths = torch.tensor([1, 512, 300, 17, 511, 64, 2, 129])
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        err = errors(check_lengths, 4, 128, dtype, 512)
-        print(
-            f"check {str(dtype):15} " + " ".join(f"{k}={v:.1e}" for k, v in err.items()),
-            "OK" if max(err.values()) < tol else "FAILED",
-        )
+    for dim in sorted({SHAPES[name]["dim"] for name in args.shapes}):
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            err = errors(check_lengths, 4, dim, dtype, 512)
+            print(
+                f"check heads of {dim} {str(dtype):15} " + " ".join(f"{k}={v:.1e}" for k, v in err.items()),
+                "OK" if max(err.values()) < tol else "FAILED",
+            )
     default = kernel.kernel_configs
     for name in args.shapes:
         shape = SHAPES[name]
@@ -143,7 +161,7 @@ def main():
             f"\n## {name}: {shape}, {int(lengths.sum())} tokens (median {int(lengths.median())}, "
             f"{int((lengths == shape['max_len']).sum())} at max_len), {fwd_flops / 1e9:.1f} GFLOP forward"
         )
-        candidates = [{}] + (SWEEP if args.sweep else [])
+        candidates = [{}] + ((SWEEP_WIDE if shape["dim"] > 128 else SWEEP) if args.sweep else [])
         for override in candidates:
             kernel.kernel_configs = lambda *a, o=override: {**default(*a), **o}
             try:

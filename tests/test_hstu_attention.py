@@ -72,6 +72,7 @@ CASES = {  # lengths, heads, attention_dim, hidden_dim, position entries, bucket
     "length-1 rows and rows of exactly L": ([1, 40, 17, 1, 33, 40], 2, 16, 32, 40, 8, 40),
     "head widths that are not powers of two": ([5, 23, 1, 30], 2, 24, 20, 30, 6, 30),
     "sequences longer than the position table": ([50, 3, 44], 1, 16, 16, 20, 8, 50),
+    "heads of 256 (the seed's shape)": ([1, 70, 33], 2, 256, 256, 70, 8, 70),
 }
 
 

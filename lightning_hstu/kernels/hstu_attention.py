@@ -998,12 +998,27 @@ def _hstu_bwd_dq(
 
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
     """Launch settings per kernel, and which backward kernel sums the bias gradients. On CUDA, the fastest
-    of the candidates timed on an H200 for heads of 128 in bf16 (``benchmarks/hstu_attention_kernel.py
+    of the candidates timed on an H200 for heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py
     --sweep`` and the comparisons in BENCHMARKS.md); smaller tiles for fp32, whose tiles take twice the
     shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
+    if max(block_a, block_d) > 128:  # heads of 256 (the seed's shape): accumulators twice as wide, 8 warps
+        wide = dict(num_warps=8, num_stages=2)
+        if dtype == torch.float32:
+            return {
+                "fwd": dict(BLOCK_M=32, BLOCK_N=16, **wide),
+                "dkdv": dict(BLOCK_M=16, BLOCK_N=32, **wide),
+                "dq": dict(BLOCK_M=32, BLOCK_N=16, **wide),
+                "bias_grads": "dq",
+            }
+        return {
+            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, **wide),
+            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+            "bias_grads": "dq",
+        }
     if dtype == torch.float32:
         return {
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
