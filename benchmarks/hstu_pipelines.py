@@ -505,6 +505,12 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                 results.append(
                     user_path(f"{best} + graphs, stop", "stop", preset=best, capture_graphs=True, step_timeout=600)
                 )
+        if best and args.pin_threads is not None:  # the same through HSTUPipelineStrategy(pin_threads=...)
+            pinned = dict(preset=best, step_timeout=600, pin_threads=args.pin_threads)
+            results.append(user_path(f"{best}, pin_threads={args.pin_threads}", **pinned))
+            if device.type == "cuda":
+                name = f"{best} + graphs, stop, pin_threads={args.pin_threads}"
+                results.append(user_path(name, "stop", capture_graphs=True, **pinned))
     if "lightning" in rows:
         results.append(user_path("Lightning loop", engine=False))
     if "pipeline" in rows:  # last: TorchRec's pipeline rewrites the sharded module in place when it starts
@@ -570,6 +576,12 @@ def main():
     )
     parser.add_argument(
         "--kernels", type=int, default=0, metavar="N", help="print the N heaviest GPU kernels of each mode per step"
+    )
+    parser.add_argument(
+        "--pin-threads",
+        type=int,
+        metavar="CORE",
+        help="user's path rows of the fastest preset with HSTUPipelineStrategy(pin_threads=CORE) too",
     )
     parser.add_argument(
         "--no-user-path",

@@ -25,7 +25,9 @@ Two diagnostics of the steady state, from the end of the warmup on:
 ``hstu-*``) on that one core from the end of the warmup, and leaves torch's own threads (autograd's device
 thread, NCCL's, the pinned-memory thread) where they were: a GIL hand-off then never moves a thread's
 Python working set from one core's caches to another's (on the 2-core CPU machine that took a toy step
-from 849 to 578 us, BENCHMARKS.md)."""
+from 849 to 578 us, BENCHMARKS.md). ``--pin-threads CORE`` does it through the strategy's own option,
+``HSTUPipelineStrategy(pin_threads=CORE)`` (the caller's and the engine's threads on that core from the end
+of the epoch's first batch)."""
 
 import argparse
 import collections
@@ -100,7 +102,10 @@ def main():
     parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run, in seconds")
     parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
+    parser.add_argument("--pin-threads", type=int, metavar="CORE", help="HSTUPipelineStrategy(pin_threads=CORE)")
     args = parser.parse_args()
+    if args.pin_threads is not None and (args.plain or args.lightning):
+        parser.error("--pin-threads is the strategy's option: not with --plain or --lightning")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.sync_debug and not torch.cuda.is_available():
@@ -139,7 +144,9 @@ def main():
     strategy = (
         HSTUPipelineStrategy(engine=False)
         if args.lightning
-        else HSTUPipelineStrategy(preset=args.preset, capture_graphs=args.graphs, step_timeout=600)
+        else HSTUPipelineStrategy(
+            preset=args.preset, capture_graphs=args.graphs, step_timeout=600, pin_threads=args.pin_threads
+        )
     )
     trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready, diagnostics)])
     trainer.fit(model, _Batches(cycled(batches, total), num_items))

@@ -7,7 +7,8 @@ run in turns in one process, on the CPU. What the step computes is next to nothi
 the loops' own host work per step. On a GPU machine that work runs on the host while the GPU computes,
 and competes for the GIL with the threads that launch the step.
 
-    python benchmarks/strategy_overhead.py [--steps 3000] [--repeats 5] [--presets legacy_none default_d6]
+    python benchmarks/strategy_overhead.py [--steps 3000] [--repeats 5] [--presets legacy_none default_d6] \
+        [--pin-threads CORE]
 
 Prints per mode the median over repeats of the us per step (each repeat a fresh Trainer; the first
 ``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop.
@@ -118,6 +119,9 @@ def main():
     parser.add_argument("--presets", nargs="+", default=["legacy_none", "default_d6"])
     parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
     parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
+    parser.add_argument(
+        "--pin-threads", type=int, metavar="CORE", help="also each preset with HSTUPipelineStrategy(pin_threads=CORE)"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and on the process group, every fit
 
@@ -131,6 +135,10 @@ def main():
     for preset in args.presets:
         modes[f"user's path, {preset}"] = fit(lambda p=preset: HSTUPipelineStrategy(p))
         modes[f"user's path, {preset}, no timeout"] = fit(lambda p=preset: HSTUPipelineStrategy(p, step_timeout=None))
+        if args.pin_threads is not None:
+            modes[f"user's path, {preset}, pin_threads={args.pin_threads}"] = fit(
+                lambda p=preset: HSTUPipelineStrategy(p, pin_threads=args.pin_threads)
+            )
     times = {mode: [] for mode in modes}
     threads = {mode: [] for mode in modes}
     for _ in range(args.repeats):

@@ -405,6 +405,12 @@ class Engine:
                 stacklevel=2,
             )
 
+    def threads(self) -> list[threading.Thread]:
+        """The threads this engine started that run tasks or pull batches (its workers and its loader thread;
+        not the watchdog), alive or not."""
+        loader = [self._loader.thread] if self._loader is not None else []
+        return [*self._workers.values(), *loader]
+
     def __enter__(self) -> "Engine":
         return self.start()
 

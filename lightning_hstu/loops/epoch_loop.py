@@ -9,6 +9,7 @@ after step ``k`` batch ``k`` is finished (``processed``, LR schedulers, ``on_tra
 """
 
 import contextlib
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
                     # collective: a rank that hangs there is reported like a hung step.
                     with engine.watched(f"the end of batch {result.batch} (on_train_batch_end hooks, logging)"):
                         self._finish_batch(result)
+                    self._pin_threads(engine)
                     try:
                         self.on_advance_end(data_fetcher)
                     finally:
@@ -98,11 +100,20 @@ class EngineEpochLoop(_TrainingEpochLoop):
                     if self.done:
                         break
         finally:
+            if self._strategy.thread_pin is not None:
+                self._strategy.thread_pin.release()  # the next epoch's loader iterator starts with the cores
             self._batches = None
             self._tasks.current = None
             if self._profiling:  # a step that failed
                 self._profiling = False
                 self.trainer.profiler.stop("run_training_batch")
+
+    def _pin_threads(self, engine: Engine) -> None:
+        """With ``pin_threads``: the caller's and the engine's threads on their core, from the end of the epoch's
+        first batch (after its compilations and the like) or of the first batch after a validation."""
+        pin = self._strategy.thread_pin
+        if pin is not None and not pin.pinned:
+            pin.pin([threading.current_thread(), *engine.threads()])
 
     def _check_batch_sizes(self, start: int) -> None:
         """A mid-epoch resume skips the batches the checkpoint had trained, counted in batches: with

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ..engine import TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
+from ..engine.affinity import ThreadPin, check_pin_threads, core_for
 from ..hstu.presets import DEFAULT_PRESET, PRESET_NAMES, resolve_plan
 from ..hstu.tasks import GRAPH_TASKS
 from ..plan import PlanError
@@ -73,6 +74,12 @@ class HSTUPipelineStrategy(DDPStrategy):
             Under every preset, ``legacy_none`` included. On more than one process, the rank that times out
             aborts its process groups and ends (docs/watchdog.md). It also sets the process groups' own
             timeout to ``2 * step_timeout + 60`` s, unless ``timeout=`` is given.
+        pin_threads: a CPU core (or a list, one per process of a machine: local rank ``i`` takes the ``i``-th)
+            on which the caller's thread and the engine's threads run during training, from the end of each
+            epoch's first batch to the end of the epoch; validation runs with the cores they had (Linux only;
+            None leaves threads where the operating system puts them). Their Python hands the GIL over
+            within one core's caches (measured in BENCHMARKS.md, "The step's threads on one core"). For GPU
+            training: on a CPU device the step's compute runs on these threads too.
         **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
 
     A bad preset, thread map, lookahead or step_timeout raises ``PlanError`` here, i.e. at ``Trainer(...)``;
@@ -91,9 +98,13 @@ class HSTUPipelineStrategy(DDPStrategy):
         capture_graphs: bool = False,
         step_timeout: float | None = 600.0,
         engine: bool = True,
+        pin_threads: int | list[int] | None = None,
         **ddp_kwargs: Any,
     ):
         step_timeout = check_step_timeout(step_timeout)
+        self.pin_threads = check_pin_threads(pin_threads)
+        if self.pin_threads is not None and not engine:
+            raise ValueError("pin_threads needs engine=True: it places the engine's threads and the caller's")
         if step_timeout is not None and ddp_kwargs.get("timeout") is None:
             ddp_kwargs["timeout"] = process_groups.process_group_timeout(step_timeout)
         super().__init__(**ddp_kwargs)
@@ -120,6 +131,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._data_group: Any = None
         self._loader_group: Any = None
         self._failed = False  # the stage ended by an exception: its groups are left as they are
+        self.thread_pin: ThreadPin | None = None
+        """While fitting with ``pin_threads``: what places the threads (the engine's epoch loop pins them)."""
 
     @classmethod
     @override
@@ -156,6 +169,8 @@ class HSTUPipelineStrategy(DDPStrategy):
             )
         from ..loops import install_engine_loop
 
+        if self.pin_threads is not None:
+            self.thread_pin = ThreadPin(core_for(self.pin_threads, self.local_rank, self.num_processes))
         self._epoch_loop = install_engine_loop(trainer, self)
 
     @override
@@ -304,6 +319,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._release_threads()  # validation's loader workers and CPU work get the cores they had
         self._check_equal_batches("val")
 
     @override
@@ -342,11 +358,17 @@ class HSTUPipelineStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._failed = True
+        self._release_threads()
         if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down
             self._epoch_loop.close_engine()
 
+    def _release_threads(self) -> None:
+        if self.thread_pin is not None:
+            self.thread_pin.release()
+
     @override
     def teardown(self) -> None:
+        self._release_threads()
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()
         self._end_own_groups()
