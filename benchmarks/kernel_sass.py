@@ -7,13 +7,13 @@ branches of its SASS: how many instructions a tile costs, before any GPU time is
     PYTHONPATH=/tmp/triton36 python benchmarks/kernel_sass.py FILE --config "fwd:num_warps=8,maxnreg=128"
 
 The file is a copy of ``lightning_hstu/kernels/hstu_attention.py`` (as ``kernel_ab.py`` takes them). The
-launch is the bf16 one of a model with heads of 128: the kernel's own ``kernel_configs``, pointers and
-integer arguments aligned to 16 bytes (as Triton specialises them for the real tensors), TMA descriptors
-where the file's kernels load through them (the forward's keys and values, the dk/dv kernel's queries and
-output gradients), no distance clamp. Triton's compiler and the ptxas it ships produce the same SASS as on
-the GPU machine when the Triton version is the same (3.6.0 there: checked against Nsight Compute's listing
-of the forward, 3864 instructions both). Loops are the backward branches; each line gives the instructions
-between the branch and its target."""
+launch is the bf16 one of a model with heads of 128 (``--dim 256``: of 256): the kernel's own
+``kernel_configs``, pointers and integer arguments aligned to 16 bytes (as Triton specialises them for the
+real tensors), TMA descriptors where the file's kernels load through them (the forward's keys and values,
+the dk/dv kernel's queries and output gradients), no distance clamp. Triton's compiler and the ptxas it
+ships produce the same SASS as on the GPU machine when the Triton version is the same (3.6.0 there: checked
+against Nsight Compute's listing of the forward, 3864 instructions both). Loops are the backward branches;
+each line gives the instructions between the branch and its target."""
 
 import argparse
 import collections
@@ -87,15 +87,15 @@ def opcode_counts(code: list[tuple[int, str]]) -> collections.Counter:
     return counts
 
 
-def compile_kernel(module, kind: str, config: dict, configs: dict):
+def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 128):
     fn = getattr(module, KERNELS[kind])
     config = dict(config)
     options = {key: config.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in config}
     constants = dict(
-        ATTENTION_DIM=128,
-        HIDDEN_DIM=128,
-        BLOCK_A=128,
-        BLOCK_D=128,
+        ATTENTION_DIM=dim,
+        HIDDEN_DIM=dim,
+        BLOCK_A=dim,
+        BLOCK_D=dim,
         PRECISION="tf32",
         FAST=True,
         CLAMP=False,
@@ -112,7 +112,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict):
         if name in constants:
             signature[name] = "constexpr"
         elif name in DESCRIPTORS[kind] and f"{name}.load(" in source:  # TMA descriptors of [tokens, heads, dim]
-            signature[name] = f"tensordesc<bf16[{config[DESCRIPTORS[kind][name]]}, 1, 128]>"
+            signature[name] = f"tensordesc<bf16[{config[DESCRIPTORS[kind][name]]}, 1, {dim}]>"
         else:
             signature[name] = POINTERS.get(name, "i32")
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -128,9 +128,10 @@ def main():
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--config", default="", help='overrides, e.g. "fwd:num_warps=8,maxnreg=128;dq:BLOCK_N=64"')
     parser.add_argument("--dump", help="a folder for each kernel's SASS and Triton GPU IR")
+    parser.add_argument("--dim", type=int, default=128, choices=[64, 128, 256], help="heads' width (q, k, v)")
     args = parser.parse_args()
     module = load(args.file)
-    configs = module.kernel_configs(128, 128, torch.bfloat16, torch.device("cuda"))
+    configs = module.kernel_configs(args.dim, args.dim, torch.bfloat16, torch.device("cuda"))
     for item in filter(None, args.config.split(";")):
         kind, settings = item.split(":")
         for setting in settings.split(","):
@@ -139,7 +140,7 @@ def main():
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     print(f"# triton {triton.__version__}, sm_90")
     for kind in args.kernels:
-        compiled = compile_kernel(module, kind, configs[kind], configs)
+        compiled = compile_kernel(module, kind, configs[kind], configs, args.dim)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "kernel.cubin")
             with open(path, "wb") as f:
