@@ -1,6 +1,7 @@
 """Two processes on gloo: the result equals Lightning's own DDP, and ranks agree on the end of data, so a
 rank with fewer batches ends the epoch for everyone instead of hanging them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,11 @@ from ranks import launch_env, run_script
 SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 
 
-def fit_two_ranks(strategy, out_dir, data="even"):
+def fit_two_ranks(strategy, out_dir, data="even", options=()):
     out_dir.mkdir()
     env = launch_env()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data],
+        [sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data, *options],
         capture_output=True,
         text=True,
         timeout=300,
@@ -87,3 +88,20 @@ def test_an_ordinary_module_with_sharded_tables_trains_as_under_lightnings_ddp(t
             for name, tensor in ddp[part].items():
                 assert torch.equal(ours[part][name], tensor), (rank, part, name)
         assert all(not torch.equal(ours["before"][name], shard) for name, shard in ours["after"].items())
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or not {0, 1} <= os.sched_getaffinity(0), reason="needs Linux, cores 0 and 1"
+)
+def test_pin_threads_gives_each_rank_of_a_machine_its_own_core(tmp_path):
+    """HSTUPipelineStrategy(pin_threads=[0, 1]): local rank i's training steps on core i (from the end of each
+    epoch's first batch), and the same weights as without pinning."""
+    ranks = fit_two_ranks("hstu_default_d6", tmp_path / "out", options=["--pin-threads", "0,1"])
+    unpinned = fit_two_ranks("hstu_default_d6", tmp_path / "unpinned")
+    for rank, (got, expected) in enumerate(zip(ranks, unpinned)):
+        cores = got["step_cores"]
+        assert len(cores) == 16
+        assert [c for i, c in enumerate(cores) if i not in (0, 8)] == [[rank]] * 14  # 8 batches an epoch
+        assert all(len(cores[i]) > 1 for i in (0, 8))
+        for name, value in expected["weights"].items():
+            assert torch.equal(got["weights"][name], value), name

@@ -1004,7 +1004,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
-    if max(block_a, block_d) > 128:  # heads of 256 (the seed's shape): accumulators twice as wide, 8 warps
+    if max(block_a, block_d) > 128:  # heads of 256 (the seed's shape): accumulators twice as wide
         wide = dict(num_warps=8, num_stages=2)
         if dtype == torch.float32:
             return {

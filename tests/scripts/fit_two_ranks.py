@@ -2,13 +2,16 @@
 run by test_strategy_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
     python fit_two_ranks.py OUT_DIR STRATEGY [STRATEGY ...] [--data {even,uneven}] [--accelerator {cpu,gpu}]
+        [--pin-threads CORE,CORE]
 
 Lightning's launcher starts the second rank by running this same command again (with ``--accelerator gpu``
 rank R trains on CUDA device R, over NCCL). After each fit every rank saves its weights, the batches it
-trained and its global step to OUT_DIR/<STRATEGY>.rank<R>.pt.
+trained and its global step to OUT_DIR/<STRATEGY>.rank<R>.pt. With ``--pin-threads`` an ``hstu_<preset>``
+strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and each training step's cores are saved too.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-import lightning_hstu  # noqa: F401  (registers the hstu_* strategies)
+from lightning_hstu import HSTUPipelineStrategy  # (importing lightning_hstu registers the hstu_* strategies)
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
@@ -35,11 +38,25 @@ class UnevenBatches(IterableDataset):
             yield torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
 
 
-def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
+class CoreRecording(ToyRecommender):
+    """Also records the cores of the thread running each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.step_cores: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.step_cores.append(sorted(os.sched_getaffinity(0)))
+        return super().training_step(batch, batch_idx)
+
+
+def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: list[int] | None) -> None:
     pl.seed_everything(0, verbose=False)
-    model = ToyRecommender()
+    model = ToyRecommender() if pin_threads is None else CoreRecording()
     trainer = pl.Trainer(
-        strategy=strategy,
+        strategy=strategy
+        if pin_threads is None
+        else HSTUPipelineStrategy(strategy.removeprefix("hstu_"), pin_threads=pin_threads),
         accelerator=accelerator,
         devices=2,
         max_epochs=2,
@@ -53,7 +70,13 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str) -> None:
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups left after fit
     torch.save(
-        {"weights": weights, "seen": model.batches_seen, "global_step": trainer.global_step, "groups": groups},
+        {
+            "weights": weights,
+            "seen": model.batches_seen,
+            "global_step": trainer.global_step,
+            "groups": groups,
+            "step_cores": getattr(model, "step_cores", None),
+        },
         f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt",
     )
 
@@ -64,9 +87,10 @@ def main() -> None:
     parser.add_argument("strategies", nargs="+")
     parser.add_argument("--data", choices=("even", "uneven"), default="even")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--pin-threads", type=lambda cores: [int(core) for core in cores.split(",")])
     args = parser.parse_args()
     for strategy in args.strategies:
-        fit(strategy, args.out_dir, args.data, args.accelerator)
+        fit(strategy, args.out_dir, args.data, args.accelerator, args.pin_threads)
 
 
 if __name__ == "__main__":
