@@ -55,6 +55,7 @@ from hstu_pipelines import (
 )
 
 from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.engine.affinity import ThreadPin
 from lightning_hstu.models.hstu import HSTURecommender
 
 
@@ -160,23 +161,27 @@ def _report(diagnostics) -> None:
 
 
 class _PinPython:
-    """At the end of the warmup, the caller's and the engine's threads on one core (Linux)."""
+    """At the end of the warmup, the caller's and the engine's threads on one core (Linux), by the strategy's
+    ``ThreadPin``; ``release`` gives them their cores back."""
 
     def __init__(self, core: int):
-        self.core, self.pinned = core, []
+        self.threads = ThreadPin(core)
+        self.pinned: list[str] = []
 
     def at_step(self, done: int) -> None:
         if done == 0:
             self.pin()
 
     def pin(self) -> None:
-        for thread in threading.enumerate():
-            if thread.name == "MainThread" or thread.name.startswith("hstu-"):
-                os.sched_setaffinity(thread.native_id, {self.core})
-                self.pinned.append(thread.name)
+        python = [t for t in threading.enumerate() if t.name == "MainThread" or t.name.startswith("hstu-")]
+        self.threads.pin(python)
+        self.pinned += [thread.name for thread in python]
+
+    def release(self) -> None:
+        self.threads.release()
 
     def report(self) -> None:
-        print(f"pinned to core {self.core}: {', '.join(self.pinned)}")
+        print(f"pinned to core {self.threads.core}: {', '.join(self.pinned)}")
 
 
 class _SyncSites:

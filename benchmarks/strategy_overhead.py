@@ -50,12 +50,13 @@ class _Clock(pl.Callback):
     Python threads pinned at batch 50 with ``pin``."""
 
     def __init__(self, warmup: int, steps: int, pin: int | None):
-        self.warmup, self.steps, self.pin = warmup, steps, pin
+        self.warmup, self.steps = warmup, steps
+        self.pin = None if pin is None else _PinPython(pin)
         self.start = self.end = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 50 and self.pin is not None:
-            _PinPython(self.pin).pin()
+            self.pin.pin()
         if batch_idx == self.warmup - 1:
             self.start = (time.perf_counter(), _thread_cpu_s())
         elif batch_idx == self.steps - 1:
@@ -92,7 +93,6 @@ def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
 
 def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tuple[float, dict[str, float]]:
     clock = _Clock(warmup, steps, pin)
-    cores = os.sched_getaffinity(0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -107,7 +107,8 @@ def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tup
     try:
         trainer.fit(Tiny(), loader(steps))
     finally:
-        os.sched_setaffinity(0, cores)  # the caller's thread back on every core
+        if clock.pin is not None:
+            clock.pin.release()  # the caller's thread back on its cores
     return clock.per_step_us()
 
 

@@ -100,8 +100,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
                     if self.done:
                         break
         finally:
-            if self._strategy.thread_pin is not None:
-                self._strategy.thread_pin.release()  # the next epoch's loader iterator starts with the cores
+            self._strategy.release_threads()  # the next epoch's loader iterator starts with the cores
             self._batches = None
             self._tasks.current = None
             if self._profiling:  # a step that failed

@@ -319,7 +319,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._release_threads()  # validation's loader workers and CPU work get the cores they had
+        self.release_threads()  # validation's loader workers and CPU work get the cores they had
         self._check_equal_batches("val")
 
     @override
@@ -358,17 +358,19 @@ class HSTUPipelineStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self._failed = True
-        self._release_threads()
+        self.release_threads()
         if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down
             self._epoch_loop.close_engine()
 
-    def _release_threads(self) -> None:
+    def release_threads(self) -> None:
+        """With ``pin_threads``: every thread pinned gets its own cores back (pinned again after the next
+        training batch)."""
         if self.thread_pin is not None:
             self.thread_pin.release()
 
     @override
     def teardown(self) -> None:
-        self._release_threads()
+        self.release_threads()
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()
         self._end_own_groups()
