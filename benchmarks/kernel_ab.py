@@ -8,7 +8,7 @@ each version alike.
     git show main:lightning_hstu/kernels/hstu_attention.py > /tmp/base.py
     python benchmarks/kernel_ab.py /tmp/base.py lightning_hstu/kernels/hstu_attention.py [--profile]
 
-Inputs as ``hstu_attention_kernel.py``'s (batch 32, floor(U^-5) lengths capped at L, 4 heads x 128, bf16,
+Inputs as ``hstu_attention_kernel.py``'s (batch 32, floor(U^-5) lengths capped at L, 4 heads x 128 or x ``--dim``, bf16,
 time gaps up to an hour with every fifth gap 0). Without a GPU it runs in Triton's interpreter
 (``TRITON_INTERPRET=1``, fp32, ``--shapes tiny``): a smoke run, whose times mean nothing. Per version and
 shape: forward and backward ms of each round (CUDA events around one call, median of ``--reps``), and with
@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20, help="calls per timing (median)")
     parser.add_argument("--profile", action="store_true", help="GPU time per call of each kernel")
+    parser.add_argument("--dim", type=int, default=128, help="the heads' width (q, k, v); 4 heads")
     args = parser.parse_args()
     modules = {path: load(path) for path in args.versions}
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (Triton's interpreter)"
@@ -92,10 +93,10 @@ def main():
     for shape in args.shapes:
         batch, max_len = SHAPES[shape]
         lengths = lengths_for(batch, max_len)
-        q, k, v, offsets, times = make_inputs(lengths, 4, 128, DTYPE, device=DEVICE)
+        q, k, v, offsets, times = make_inputs(lengths, 4, args.dim, DTYPE, device=DEVICE)
         position, time = bias_tables(max_len)
         grad = torch.randn_like(v)
-        print(f"\n## {shape}: {int(lengths.sum())} tokens, max_len {max_len}")
+        print(f"\n## {shape}: {int(lengths.sum())} tokens, max_len {max_len}, 4 heads x {args.dim}")
 
         def call(module):
             return module.hstu_attention(q, k, v, offsets, times, position, time, max_len)
