@@ -1,0 +1,111 @@
+"""The dense HSTU stack alone on one GPU, kernel by kernel: ``HSTUStack.jagged`` (the fused attention, the
+layers' token-wise parts compiled unless ``--eager``) forward and backward under bf16 autocast, on random
+tokens of a workload of ``hstu_pipelines.py`` (``--workload``, default seed: width 1024, 10 layers, 4 heads x
+256). No embedding tables, losses, optimizer, Lightning or TorchRec: it runs on a bare GPU machine with torch
+and Triton, and shows where the dense step's kernel time goes.
+
+    python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30]
+
+Lengths as ``kernel_ab.py``'s (floor(U^-5) capped at L, batch 32), time gaps up to an hour with every fifth
+0. Prints ms per forward and backward (CUDA events, median of ``--steps`` calls) for each batch, the model
+FLOPs of the stack (the linear maps and attention's two products, backward as 2x forward: the stack's share
+of ``HSTURecommender.training_flops``) and their rate, then torch.profiler's kernels of the last batch, GPU
+ms per call of the stack.
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import types
+
+import torch
+from kernel_ab import lengths_for
+
+if "lightning_hstu" not in sys.modules:  # the layers alone: the package's __init__ imports Lightning and TorchRec
+    package = types.ModuleType("lightning_hstu")
+    package.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lightning_hstu")]
+    sys.modules["lightning_hstu"] = package
+layers = importlib.import_module("lightning_hstu.models.hstu_layers")
+
+WORKLOADS = {  # hstu_pipelines.py's, without the tables
+    "heavy": dict(max_len=1024, embedding_dim=512, num_layers=8, num_heads=4, attention_dim=128, hidden_dim=128),
+    "seed": dict(max_len=4096, embedding_dim=1024, num_layers=10, num_heads=4, attention_dim=256, hidden_dim=256),
+    "seed_w128": dict(max_len=4096, embedding_dim=128, num_layers=10, num_heads=4, attention_dim=128, hidden_dim=128),
+}
+
+
+def stack_flops(lengths: list[int], sizes: dict) -> int:
+    width, heads = sizes["embedding_dim"], sizes["num_heads"]
+    qk, uv = heads * sizes["attention_dim"], heads * sizes["hidden_dim"]
+    tokens, pairs = sum(lengths), sum(n * (n + 1) // 2 for n in lengths)
+    per_layer = 2 * tokens * width * (2 * qk + 2 * uv) + 2 * tokens * uv * width + 2 * pairs * (qk + uv)
+    return 3 * sizes["num_layers"] * per_layer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="seed", choices=list(WORKLOADS))
+    parser.add_argument("--batches", type=int, default=3, help="batches of other lengths (seeds 0, 1, ...)")
+    parser.add_argument("--steps", type=int, default=10, help="timed calls per batch (median)")
+    parser.add_argument("--kernels", type=int, default=30, help="kernels listed, heaviest first")
+    parser.add_argument("--eager", action="store_true", help="the token-wise parts uncompiled")
+    args = parser.parse_args()
+    sizes = WORKLOADS[args.workload]
+    torch.manual_seed(0)
+    config = layers.HSTUConfig(
+        **{key: value for key, value in sizes.items() if key != "max_len"},
+        max_seq_len=sizes["max_len"],
+        compile_layers=not args.eager,
+    )
+    stack = layers.HSTUStack(config).cuda()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.workload}: {sizes}")
+    for batch in range(args.batches):
+        lengths = lengths_for(32, sizes["max_len"], seed=batch)
+        n = int(lengths.sum())
+        gen = torch.Generator().manual_seed(batch)
+        x = torch.randn(n, sizes["embedding_dim"], generator=gen).cuda().requires_grad_()
+        gaps = torch.randint(0, 3600, (n,), generator=gen)
+        gaps[::5] = 0
+        times, offsets = torch.cumsum(gaps, 0).cuda(), torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).cuda()
+        grad = torch.randn(n, sizes["embedding_dim"], generator=gen).cuda()
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = stack.jagged(x, offsets, times)
+            y.backward(grad)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        times_ms = []
+        for _ in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times_ms.append(start.elapsed_time(end))
+        ms = statistics.median(times_ms)
+        flops = stack_flops(lengths.tolist(), sizes)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(
+            f"batch {batch}: {n} tokens, {flops / 1e12:.3f} TFLOP, {ms:.2f} ms per forward and backward "
+            f"(min {min(times_ms):.2f}), {flops / ms / 1e9:.0f} TFLOP/s, peak {peak:.1f} GiB"
+        )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        ((e.key, e.device_time_total / 3 / 1e3, e.count // 3) for e in profiler.key_averages() if e.device_time_total),
+        key=lambda kernel: -kernel[1],
+    )
+    print(f"\nkernels of batch {args.batches - 1}: {sum(k[1] for k in kernels):.2f} ms per call (ms, launches, name)")
+    for name, ms, count in kernels[: args.kernels]:
+        print(f"{ms:8.3f} {count:4d}  {name[:140]}")
+
+
+if __name__ == "__main__":
+    main()
