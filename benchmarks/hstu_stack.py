@@ -52,6 +52,8 @@ def main():
     parser.add_argument("--kernels", type=int, default=30, help="kernels listed, heaviest first")
     parser.add_argument("--eager", action="store_true", help="the token-wise parts uncompiled")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the fused attention kernel, compiled layers, bf16 autocast)")
     sizes = WORKLOADS[args.workload]
     torch.manual_seed(0)
     config = layers.HSTUConfig(
