@@ -26,8 +26,9 @@ The bias gradients are sums of the score gradient over the pairs that share a ta
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
 table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
-buckets are wide there, and the forward then adds one number for the whole tile too), else one sum per
-bucket of the tile's range. The position sums go to the table's gradient by atomic adds per tile; the
+buckets are wide there, and the forward then adds one number for the whole tile too; with square dq tiles,
+heads of 256, that sum is taken from the position sums' two vectors rather than from the tile), else one
+sum per bucket of the tile's range. The position sums go to the table's gradient by atomic adds per tile; the
 time sums stay in the program's registers (one per bucket) and are added once at its end. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
@@ -450,6 +451,7 @@ def _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M: tl.cons
         mask=distance + BLOCK_N >= 0,
         sem="relaxed",
     )
+    return tl.sum(straight) + tl.sum(over)  # the tile's sum (ds is zero past the diagonal); used where GROUPS == 1
 
 
 @triton.jit
@@ -487,10 +489,12 @@ def _bias_grads(
             sem="relaxed",
         )
     else:
-        _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M, BLOCK_N)
+        total = _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M, BLOCK_N)
     slots = tl.arange(0, TIME_BLOCK)
     if low == high:  # one bucket for the whole tile (usual away from the diagonal)
-        dtime += tl.where(slots == low, tl.sum(ds), 0.0)
+        if KEYS_FIRST or BLOCK_M != BLOCK_N:
+            total = tl.sum(ds)  # from the position sums only where they are one row block (cheaper there)
+        dtime += tl.where(slots == low, total, 0.0)
     else:
         for b in range(low, high + 1):
             dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
