@@ -46,7 +46,11 @@ POINTERS = {
     "d_time": "*fp32",
 }
 KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
-DESCRIPTORS = {"fwd": {"K": "BLOCK_N", "V": "BLOCK_N"}, "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"}, "dq": {}}
+DESCRIPTORS = {
+    "fwd": {"K": "BLOCK_N", "V": "BLOCK_N"},
+    "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"},
+    "dq": {"K": "BLOCK_N", "V": "BLOCK_N"},
+}
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:

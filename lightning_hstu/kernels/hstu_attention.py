@@ -14,8 +14,8 @@ of scores in registers and reads the bias tables (a few kB) where it needs them.
 fall in one time bucket (its time bias then one number) is decided from the time ranges of its query and
 key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
 tiles whose gaps span several buckets read their timestamps.
-The forward reads each tile's keys and values, and the dk/dv kernel each tile's queries and output
-gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in the matrix
+The forward and the dq kernel read each tile's keys and values, and the dk/dv kernel each tile's queries
+and output gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in the matrix
 product's register layout (loads in inline PTX), not through shared memory.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
@@ -771,6 +771,8 @@ def _dq_tile(
     key,
     K,
     V,
+    start,
+    head,
     ts,
     ranges,
     ti_min,
@@ -780,8 +782,6 @@ def _dq_tile(
     time_table,
     n,
     inv_n,
-    stride_kn,
-    stride_vn,
     num_positions,
     num_buckets,
     ATTENTION_DIM: tl.constexpr,
@@ -799,10 +799,9 @@ def _dq_tile(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    cols = key + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    k = _rows(K, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
-    v = _rows(V, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
+    cols = key + tl.arange(0, BLOCK_N)  # keys and values by TMA: rows past the sequence's end are masked below
+    k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
+    v = tl.reshape(V.load([start + key, head, 0]), [BLOCK_N, BLOCK_D])
     _, dsilu, bucket, low, high = _query_tile(
         q,
         k,
@@ -867,10 +866,6 @@ def _hstu_bwd_dq(
     time_table,
     stride_qn,
     stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
     stride_don,
     stride_doh,
     stride_dqn,
@@ -900,8 +895,6 @@ def _hstu_bwd_dq(
     first = block * BLOCK_M
     if first >= n:
         return
-    K += start * stride_kn + head * stride_kh
-    V += start * stride_vn + head * stride_vh
     ts = timestamps + start
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -925,6 +918,8 @@ def _hstu_bwd_dq(
             key,
             K,
             V,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             ti_min,
@@ -934,8 +929,6 @@ def _hstu_bwd_dq(
             time_table,
             n,
             inv_n,
-            stride_kn,
-            stride_vn,
             num_positions,
             num_buckets,
             ATTENTION_DIM,
@@ -965,6 +958,8 @@ def _hstu_bwd_dq(
             key,
             K,
             V,
+            start.to(tl.int32),
+            head,
             ts,
             ranges,
             ti_min,
@@ -974,8 +969,6 @@ def _hstu_bwd_dq(
             time_table,
             n,
             inv_n,
-            stride_kn,
-            stride_vn,
             num_positions,
             num_buckets,
             ATTENTION_DIM,
@@ -1189,14 +1182,14 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     config = configs["dq"]
     _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
         q,
-        k,
-        v,
+        _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
+        _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
         do,
         dq,
         d_position,
         d_time,
         *common,
-        *(stride for t in (q, k, v, do, dq) for stride in t.stride()[:2]),
+        *(stride for t in (q, do, dq) for stride in t.stride()[:2]),
         **constants,
         **config,
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
