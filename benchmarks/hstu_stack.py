@@ -6,22 +6,21 @@ and Triton, and shows where the dense step's kernel time goes.
 
     python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30]
 
-Lengths as ``kernel_ab.py``'s (floor(U^-5) capped at L, batch 32), time gaps up to an hour with every fifth
-0. Prints ms per forward and backward (CUDA events, median of ``--steps`` calls) for each batch, the model
-FLOPs of the stack (the linear maps and attention's two products, backward as 2x forward: the stack's share
-of ``HSTURecommender.training_flops``) and their rate, then torch.profiler's kernels of the last batch, GPU
-ms per call of the stack.
+Inputs from ``kernel_ab.py``'s ``make_inputs`` (floor(U^-5) lengths capped at L, batch 32; time gaps up to an
+hour, every fifth 0). Prints ms per forward and backward (``kernel_ab.time_ms``: CUDA events, median of
+``--steps`` calls) for each batch, the model FLOPs of the stack (the linear maps and attention's two
+products, backward as 2x forward: the stack's share of ``HSTURecommender.training_flops``) and their rate,
+then torch.profiler's kernels of the last batch, GPU ms per call of the stack.
 """
 
 import argparse
 import importlib
 import os
-import statistics
 import sys
 import types
 
 import torch
-from kernel_ab import lengths_for
+from kernel_ab import lengths_for, make_inputs, time_ms
 
 if "lightning_hstu" not in sys.modules:  # the layers alone: the package's __init__ imports Lightning and TorchRec
     package = types.ModuleType("lightning_hstu")
@@ -66,35 +65,20 @@ def main():
     for batch in range(args.batches):
         lengths = lengths_for(32, sizes["max_len"], seed=batch)
         n = int(lengths.sum())
-        gen = torch.Generator().manual_seed(batch)
-        x = torch.randn(n, sizes["embedding_dim"], generator=gen).cuda().requires_grad_()
-        gaps = torch.randint(0, 3600, (n,), generator=gen)
-        gaps[::5] = 0
-        times, offsets = torch.cumsum(gaps, 0).cuda(), torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).cuda()
-        grad = torch.randn(n, sizes["embedding_dim"], generator=gen).cuda()
+        tokens, _, grad, offsets, times = make_inputs(lengths, 1, sizes["embedding_dim"], torch.float32, seed=batch)
+        x, grad = tokens.view(n, -1), grad.detach().view(n, -1)  # one "head" as wide as the model
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = stack.jagged(x, offsets, times)
             y.backward(grad)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        times_ms = []
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times_ms.append(start.elapsed_time(end))
-        ms = statistics.median(times_ms)
+        ms = time_ms(step, args.steps)
         flops = stack_flops(lengths.tolist(), sizes)
         peak = torch.cuda.max_memory_allocated() / 2**30
         print(
-            f"batch {batch}: {n} tokens, {flops / 1e12:.3f} TFLOP, {ms:.2f} ms per forward and backward "
-            f"(min {min(times_ms):.2f}), {flops / ms / 1e9:.0f} TFLOP/s, peak {peak:.1f} GiB"
+            f"batch {batch}: {n} tokens, {flops / 1e12:.3f} TFLOP, {ms:.2f} ms per forward and backward, "
+            f"{flops / ms / 1e9:.0f} TFLOP/s, peak {peak:.1f} GiB"
         )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(3):
