@@ -106,8 +106,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         RANGE_BLOCK=module.range_block(configs) if hasattr(module, "range_block") else None,  # older files: none
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         TIME_BLOCK=64,
-        BIAS_GRADS=configs["bias_grads"] == kind,
-        **config,
+        **{"BIAS_GRADS": configs["bias_grads"] == kind, **config},  # --config may name BIAS_GRADS
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature, attrs = {}, {}
