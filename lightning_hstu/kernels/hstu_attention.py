@@ -15,8 +15,8 @@ fall in one time bucket (its time bias then one number) is decided from the time
 key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
 tiles whose gaps span several buckets read their timestamps.
 The forward and the dq kernel read each tile's keys and values, and the dk/dv kernel each tile's queries
-and output gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in the matrix
-product's register layout (loads in inline PTX), not through shared memory.
+and output gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in
+the matrix product's register layout (loads in inline PTX), not through shared memory.
 
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
