@@ -73,6 +73,7 @@ CASES = {  # lengths, heads, attention_dim, hidden_dim, position entries, bucket
     "head widths that are not powers of two": ([5, 23, 1, 30], 2, 24, 20, 30, 6, 30),
     "sequences longer than the position table": ([50, 3, 44], 1, 16, 16, 20, 8, 50),
     "heads of 256 (the seed's shape)": ([1, 70, 33], 2, 256, 256, 70, 8, 70),
+    "tiles whose gaps span more buckets than the dq kernel sums at once": ([45, 2, 29], 2, 16, 16, 45, 20, 45),
 }
 
 
@@ -111,6 +112,19 @@ def test_the_data_reaches_the_first_and_the_last_time_bucket():
     _, bucket = RelativeBias(HSTUConfig(max_seq_len=40, time_buckets=buckets)).indices(padded)
     pairs = mask[:, :, None] & mask[:, None, :] & torch.ones(40, 40, dtype=torch.bool).tril()
     assert {0, buckets - 1} <= set(bucket[pairs].tolist())
+
+
+def test_the_data_puts_more_than_eight_time_buckets_in_one_tile():
+    """What the many-bucket case relies on: a 16 x 16 tile (the CPU's) whose pairs span more than the eight
+    buckets the dq kernel sums per pass, so that it takes several passes."""
+    lengths, _, _, _, positions, buckets, _ = CASES[
+        "tiles whose gaps span more buckets than the dq kernel sums at once"
+    ]
+    *_, times, lengths_t = jagged_batch(lengths, 2, 16, 16, buckets, "cpu")
+    padded, _ = to_padded(times, lengths_t)
+    _, bucket = RelativeBias(HSTUConfig(max_seq_len=positions, time_buckets=buckets)).indices(padded)
+    tile = bucket[0, :16, :16][torch.ones(16, 16, dtype=torch.bool).tril()]
+    assert tile.max() - tile.min() + 1 > 8
 
 
 def test_time_buckets_are_exact_at_powers_of_two():

@@ -28,7 +28,8 @@ rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four time
 table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
 buckets are wide there, and the forward then adds one number for the whole tile too; with square dq tiles,
 heads of 256, that sum is taken from the position sums' two vectors rather than from the tile), else one
-sum per bucket of the tile's range. The position sums go to the table's gradient by atomic adds per tile; the
+sum per bucket of the tile's range (in the dq kernel along the tile's axis that stays inside a warp, added
+across warps once per eight buckets). The position sums go to the table's gradient by atomic adds per tile; the
 time sums stay in the program's registers (one per bucket) and are added once at its end. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
@@ -495,9 +496,39 @@ def _bias_grads(
         if KEYS_FIRST or BLOCK_M != BLOCK_N:
             total = tl.sum(ds)  # from the position sums only where they are one row block (cheaper there)
         dtime += tl.where(slots == low, total, 0.0)
-    else:
+    elif KEYS_FIRST:
         for b in range(low, high + 1):
             dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
+    else:
+        dtime = _time_sums(ds, bucket, low, high, dtime, BLOCK_M, BLOCK_N, TIME_BLOCK)
+    return dtime
+
+
+@triton.jit
+def _time_sums(ds, bucket, low, high, dtime, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TIME_BLOCK: tl.constexpr):
+    """Adds to ``dtime`` the sums of a [queries, keys] tile ``ds`` per time bucket ``low..high``. A whole-tile
+    sum per bucket would cross warps (shared memory and two barriers each); here each bucket's sums run along
+    the tile's axis that stays inside a warp (the columns of square tiles, whose warps sit side by side in
+    the chained product's layout, else the rows) into ``CHUNK`` accumulators, summed across warps once per
+    ``CHUNK`` buckets."""
+    CHUNK: tl.constexpr = 8
+    slots = tl.arange(0, TIME_BLOCK)
+    rel = tl.arange(0, CHUNK)
+    for first in range(low, high + 1, CHUNK):
+        if BLOCK_M == BLOCK_N:
+            acc = tl.zeros([CHUNK, BLOCK_N], tl.float32)
+            for b in range(first, tl.minimum(first + CHUNK, high + 1)):
+                part = tl.sum(tl.where(bucket == b, ds, 0.0), 0)
+                acc += tl.where(rel[:, None] == b - first, part[None, :], 0.0)
+            chunk = tl.sum(acc, 1)
+        else:
+            acc = tl.zeros([BLOCK_M, CHUNK], tl.float32)
+            for b in range(first, tl.minimum(first + CHUNK, high + 1)):
+                part = tl.sum(tl.where(bucket == b, ds, 0.0), 1)
+                acc += tl.where(rel[None, :] == b - first, part[:, None], 0.0)
+            chunk = tl.sum(acc, 0)
+        inside = (slots >= first) & (slots < first + CHUNK)
+        dtime += tl.where(inside, tl.gather(chunk, tl.where(inside, slots - first, 0), 0), 0.0)
     return dtime
 
 
