@@ -1,7 +1,7 @@
 """Data under faults: ids outside their embedding table are refused with the feature, the id and the table
-size (never looked up as row 0), and MovieLens files that are truncated, empty, HTML or binary are refused
-naming the file and line; the first-use download takes a wheel only, checks its SHA-256, and runs once
-while other processes wait."""
+size (never looked up as row 0), histories longer than the model's max_seq_len with their length, and
+MovieLens files that are truncated, empty, HTML or binary are refused naming the file and line; the first-use
+download takes a wheel only, checks its SHA-256, and runs once while other processes wait."""
 
 import hashlib
 import multiprocessing
@@ -22,7 +22,7 @@ from lightning_runs import QUIET
 from ranks import run_on_ranks
 from small_hstu import SMALL_MODEL, small_data
 
-from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.data import movielens
 from lightning_hstu.data.histories import History, HistoryDataModule
 from lightning_hstu.data.movielens import DataFileError, read_ratings
@@ -83,6 +83,17 @@ def test_a_model_whose_item_table_is_smaller_than_the_data_is_refused():
     with pytest.raises(IdError) as info:
         fit_hstu(model_kwargs={"num_items": 50}, data=data)
     assert "num_items=50" in str(info.value) and f"{data.num_items}" in str(info.value)
+
+
+def test_a_history_longer_than_the_model_s_max_seq_len_is_refused_naming_it():
+    """The model's max_seq_len sizes the fused kernel's grid and the position tables. A longer history (a
+    data module of 32 events under a model of 8, with the padded attention, which the setup's comparison of
+    the two lengths leaves alone) is an error that names it, not a step that trains on a part of it (the
+    fused kernel would leave its later tokens' outputs unwritten)."""
+    with pytest.raises(
+        TaskError, match=r"sample \d+ of the batch has a history of \d+ events, longer than the model's max_seq_len=8"
+    ):
+        fit_hstu(model_kwargs={"max_seq_len": 8, "attention": "padded"})
 
 
 def _lookup_out_of_range(rank, world):

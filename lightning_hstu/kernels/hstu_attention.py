@@ -1308,8 +1308,9 @@ def hstu_attention(
     ``v`` ``[N, heads, hidden_dim]`` (inner dimension contiguous; views of a wider tensor are fine),
     ``offsets`` ``[B + 1]`` (the rows of sequence b are ``offsets[b]:offsets[b + 1]``), ``timestamps``
     ``[N]`` integers (seconds), ``position`` and ``time`` the 1-d bias tables, ``max_len`` at least the
-    longest sequence (it sizes the grid; no host sync). Returns ``[N, heads, hidden_dim]`` in v's dtype;
-    differentiable in q, k, v and both tables."""
+    longest sequence (it sizes the grid; not checked here, which would wait for the GPU: a longer sequence's
+    rows past it get no output; ``HSTURecommender`` checks its batches' lengths on the host). Returns
+    ``[N, heads, hidden_dim]`` in v's dtype; differentiable in q, k, v and both tables."""
     _check(q, k, v, offsets, timestamps, position, time)
     return _HSTUAttention.apply(q, k, v, offsets, timestamps, position, time, max_len)
 

@@ -619,6 +619,7 @@ class HSTUObjectives(nn.Module):
     ) -> DenseInputs | JaggedInputs:
         """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives; ``static``
         pads to the model's length (the padded layout; the jagged one is grown by the graph)."""
+        self.check_history_lengths(batch)
         lengths = batch.sequence_lengths()
         target_ids, sampled_ids, actions, times = batch.values_of("item", "item_neg", "action", "time")
         items = embeddings["item"].values()
@@ -651,6 +652,20 @@ class HSTUObjectives(nn.Module):
             negative_ids=negative_ids,
             mask=pad.mask,
         )
+
+    def check_history_lengths(self, batch: HSTUBatch) -> None:
+        """Raise ``ValueError`` for a history longer than the model's ``max_seq_len`` events, naming it: the
+        fused kernel's grid and the position tables are sized by that length (the kernel would leave the
+        outputs of a longer history's later tokens unwritten, the padded layout index past its positions).
+        Read from the lengths in host memory: no wait for the GPU where the batch came from the host."""
+        lengths = batch.sequence_lengths_on_host()
+        if len(lengths) and int(lengths.max()) > self.max_events:
+            sample = int(lengths.argmax())
+            raise ValueError(
+                f"sample {sample} of the batch has a history of {int(lengths[sample])} events, longer than the "
+                f"model's max_seq_len={self.max_events}: cap the histories at {self.max_events} events (the data "
+                f"module's max_seq_len) or raise the model's max_seq_len"
+            )
 
     def graph_growth(self, inputs: DenseInputs | JaggedInputs) -> tuple[int | None, tuple[int, ...]]:
         """For ``GraphedMethod(rows=, grown=)``: the jagged inputs' token-wise tensors (events, targets, times,
