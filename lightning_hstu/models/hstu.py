@@ -656,8 +656,9 @@ class HSTUObjectives(nn.Module):
     def check_history_lengths(self, batch: HSTUBatch) -> None:
         """Raise ``ValueError`` for a history longer than the model's ``max_seq_len`` events, naming it: the
         fused kernel's grid and the position tables are sized by that length (the kernel would leave the
-        outputs of a longer history's later tokens unwritten, the padded layout index past its positions).
-        Read from the lengths in host memory: no wait for the GPU where the batch came from the host."""
+        outputs of a longer history's later tokens unwritten; the padded layout would clamp its distances,
+        or, padded to the model's length for graph capture, index past it). Read from the lengths in host
+        memory: no wait for the GPU where the batch came from the host."""
         lengths = batch.sequence_lengths_on_host()
         if len(lengths) and int(lengths.max()) > self.max_events:
             sample = int(lengths.argmax())
