@@ -1,5 +1,6 @@
 """Data under faults: ids outside their embedding table are refused with the feature, the id and the table
-size (never looked up as row 0), histories longer than the model's max_seq_len with their length, and
+size (never looked up as row 0), ids below 1 and float values as histories load, batches the model would
+misread (keys, per-sample counts, negatives, histories longer than max_seq_len) with what is wrong, and
 MovieLens files that are truncated, empty, HTML or binary are refused naming the file and line; the first-use
 download takes a wheel only, checks its SHA-256, and runs once while other processes wait."""
 
@@ -26,7 +27,7 @@ from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.data import movielens
 from lightning_hstu.data.histories import History, HistoryDataModule
 from lightning_hstu.data.movielens import DataFileError, read_ratings
-from lightning_hstu.hstu.batch import IdError
+from lightning_hstu.hstu.batch import HSTUBatch, IdError
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.models.hstu import HSTURecommender
 
@@ -63,19 +64,27 @@ class CraftedHistories(HistoryDataModule):
         return histories
 
 
-def test_a_negative_item_id_in_the_data_is_refused_where_the_batch_is_built():
-    data = CraftedHistories(bad_item=-3)
-    data.setup()
-    with pytest.raises(IdError) as info:
-        list(data.train_dataloader())
-    message = str(info.value)
-    assert "feature 'item' has id -3" in message and "user 7" in message
-    assert f"table of {data.num_items + 1} rows" in message
+@pytest.mark.parametrize("bad_item", [-3, 0])
+def test_an_item_id_below_1_in_the_data_is_refused_at_setup_naming_the_user(bad_item):
+    """Negative ids fall outside the table; id 0 means none (a padding id, a missing target): an item 0 would be
+    left out of the loss as a target and counted as no target in the evaluation."""
+    with pytest.raises(IdError, match=rf"user 7's history has item id {bad_item}: item ids count from 1"):
+        CraftedHistories(bad_item=bad_item).setup()
 
 
 def test_a_fit_on_data_with_a_bad_id_stops_there():
-    with pytest.raises(IdError, match="feature 'item' has id -3"):
+    with pytest.raises(IdError, match="user 7's history has item id -3"):
         fit_hstu(data=CraftedHistories(bad_item=-3))
+
+
+def test_a_batch_with_an_id_outside_its_table_is_refused_where_it_is_built():
+    """Ids that pass the data module's setup but not the model's tables (here a table of 4 items set on the
+    loader's collate) are refused as the batch is built, naming the feature, the id, the user and the table."""
+    data = CraftedHistories(bad_item=2)
+    data.setup()
+    data.num_items = 3  # the tables the loader checks against: items 1 to 3
+    with pytest.raises(IdError, match=r"feature 'item' has id \d+ \(user \d+\), outside its embedding table of 4 rows"):
+        list(data.train_dataloader())
 
 
 def test_a_model_whose_item_table_is_smaller_than_the_data_is_refused():
@@ -274,3 +283,92 @@ def test_processes_that_need_the_file_at_once_download_it_once(cache, tmp_path, 
     assert [process.exitcode for process in processes] == [0, 0, 0]
     assert len(log.read_text().splitlines()) == 1
     assert cache.read_text() == INTER
+
+
+# ----- batches the model would read wrongly ---------------------------------------------------------------
+
+
+def _batch(lengths: dict[str, list[int]]) -> HSTUBatch:
+    """A batch keyed as ``lengths`` (key -> per-sample lengths), ids 1, 2, ... (times 10, 20, ...)."""
+    values = torch.arange(1, 1 + sum(sum(n) for n in lengths.values()))
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(lengths), values=values, lengths=torch.tensor([n for ns in lengths.values() for n in ns])
+    )
+    return HSTUBatch(features, sequence_keys=("item", "action", "time"))
+
+
+GOOD = dict(item=[3, 2], item_neg=[4, 4], action=[3, 2], user=[1, 1], time=[3, 2])
+
+BAD_BATCHES = {  # (lengths, retrieval loss) -> what the error says
+    "keys in another order": (
+        dict(item=[3, 2], action=[3, 2], item_neg=[4, 4], user=[1, 1], time=[3, 2]),
+        "sampled",
+        r"keyed \['item', 'action', 'item_neg', 'user', 'time'\]: HSTURecommender needs item, item_neg, action, user",
+    ),
+    "no time key": (dict(item=[3, 2], item_neg=[4, 4], action=[3, 2], user=[1, 1]), "sampled", "and a 'time' key"),
+    "actions per sample that differ from the items (same total)": (
+        {**GOOD, "action": [2, 3]},
+        "sampled",
+        r"sample 0 of the batch has 3 items but 2 'action' values",
+    ),
+    "times per sample that differ from the items": (
+        {**GOOD, "time": [3, 1]},
+        "full",
+        r"sample 1 of the batch has 2 items but 1 'time' values",
+    ),
+    "two user ids on one sample, none on the other": (
+        {**GOOD, "user": [2, 0]},
+        "sampled",
+        r"sample 0 of the batch has 2 'user' ids: each history needs one",
+    ),
+    "negatives in uneven numbers": ({**GOOD, "item_neg": [3, 5]}, "sampled", r"this batch has \[3, 5\] per sample"),
+    "no negatives for the sampled softmax": ({**GOOD, "item_neg": [0, 0]}, "sampled", r"this batch has \[0\] per"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCHES))
+def test_a_batch_the_model_would_misread_is_refused_naming_what_is_wrong(case):
+    lengths, retrieval, message = BAD_BATCHES[case]
+    model = HSTURecommender(**SMALL_MODEL, retrieval_loss=retrieval)
+    with pytest.raises(ValueError, match=message):
+        model.objectives.check_batch(_batch(lengths))
+
+
+def test_batches_the_model_reads_rightly_pass_the_check():
+    """The loader's layout; uneven or no negatives where nothing reads them (the full softmax, evaluation)."""
+    for retrieval, lengths, training in [
+        ("sampled", GOOD, True),
+        ("full", {**GOOD, "item_neg": [0, 7]}, True),
+        ("sampled", {**GOOD, "item_neg": [0, 0], "target": [1, 1]}, False),
+    ]:
+        HSTURecommender(**SMALL_MODEL, retrieval_loss=retrieval).objectives.check_batch(_batch(lengths), training)
+    data = small_data()
+    data.setup()
+    HSTURecommender(**SMALL_MODEL).objectives.check_batch(next(iter(data.train_dataloader())))
+
+
+class FloatTimes(CraftedHistories):
+    def load(self):
+        return [History(h.user, h.items, h.actions, tuple(t + 0.5 for t in h.times)) for h in super().load()]
+
+
+def test_histories_with_float_times_are_refused_where_the_batch_is_built():
+    """A float among the values would make the batch's ids and times float32 (times of about 1.7e9 lose gaps of
+    up to 128 s); they are refused, not truncated."""
+    data = FloatTimes(bad_item=2)
+    data.setup()
+    with pytest.raises(ValueError, match=r"History times \(seconds\) must be integers, got torch.float32 values"):
+        next(iter(data.train_dataloader()))
+
+
+class TenActions(CraftedHistories):
+    def load(self):
+        return [History(h.user, h.items, (0, 9, 3, 4), h.times) for h in super().load()]
+
+
+def test_a_ranking_head_smaller_than_the_data_s_actions_is_refused():
+    with pytest.raises(
+        ValueError, match=r"the data's actions go up to 9 \(10 classes\), but the ranking head predicts 5"
+    ):
+        fit_hstu(data=TenActions(bad_item=2))
+    fit_hstu(model_kwargs={"num_actions": 10}, data=TenActions(bad_item=2))  # as the message says

@@ -222,3 +222,14 @@ def test_bad_inputs_are_refused_with_the_shapes():
         kernel.hstu_attention(q, k[:6], v, offsets, times, bias.position, bias.time, 8)
     with pytest.raises(ValueError, match="timestamps must be"):
         kernel.hstu_attention(q, k, v, offsets, times[:3], bias.position, bias.time, 8)
+
+
+def test_float_times_and_empty_tables_are_refused():
+    """Float times would be cut to integers for the tiles' time ranges but not for the pairs' buckets (a tile
+    whose gaps span two buckets taken as one); an empty table would be read at index -1."""
+    q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
+    bias = bias_tables(8, 8, "cpu")
+    with pytest.raises(ValueError, match="timestamps .seconds. and offsets must be integer tensors, got torch.float64"):
+        kernel.hstu_attention(q, k, v, offsets, times.double() + 0.5, bias.position, bias.time, 8)
+    with pytest.raises(ValueError, match="the bias tables need at least one entry each, got 8 and 0"):
+        kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time[:0], 8)

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..hstu.batch import HSTUBatch, check_ids
+from ..hstu.batch import HSTUBatch, IdError, check_ids
+from ..hstu.step import LOOKUP_KEYS
 from .evaluation import NO_TARGET, mean_metrics, most_popular_ranks
 
-SPARSE_KEYS = ("item", "item_neg", "action", "user")
 FILLER_USER = 0
 """The user of a filler history in ``predict_dataloader``'s shorter shares (user ids count from 1)."""
 
@@ -38,6 +38,27 @@ class History:
 
     def without_last(self, n: int = 1) -> "History":
         return History(self.user, self.items[:-n], self.actions[:-n], self.times[:-n])
+
+
+def check_histories(histories: Sequence[History]) -> None:
+    """Refuse histories the tables and the evaluation would read wrongly, naming the user: ``IdError`` for an
+    item or user id below 1 (ids count from 1; 0 means none: a padding id, a missing target, a filler user)
+    or an action below 0; ``ValueError`` for events without one item, one action and one time each."""
+    for h in histories:
+        if not len(h.items) == len(h.actions) == len(h.times):
+            raise ValueError(
+                f"user {h.user}'s history has {len(h.items)} items, {len(h.actions)} actions and {len(h.times)} "
+                f"times: every event needs one of each"
+            )
+        if h.user < 1:
+            raise IdError(f"a history has user id {h.user}: user ids count from 1 (0 means none)")
+        if min(h.items, default=1) < 1:
+            raise IdError(
+                f"user {h.user}'s history has item id {min(h.items)}: item ids count from 1 (0 means none: a "
+                f"padding id, a missing target)"
+            )
+        if min(h.actions, default=0) < 0:
+            raise IdError(f"user {h.user}'s history has action {min(h.actions)}: actions count from 0")
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,19 @@ def leave_two_out(histories: Sequence[History], max_len: int) -> Split:
         validation=[(h.without_last(2).last(max_len), h.items[-2]) for h in usable],
         test=[(h.without_last(1).last(max_len), h.items[-1]) for h in usable],
     )
+
+
+def _integers(values: list, what: str) -> torch.Tensor:
+    """``values`` as int64. Floats are refused: ids and times in seconds are whole numbers, and one float among
+    them would make the whole batch's values floats (float32 times of about 1.7e9 lose gaps of up to 128 s,
+    ids above 2^24 become other ids)."""
+    tensor = torch.tensor(values) if values else torch.zeros(0, dtype=torch.int64)
+    if tensor.is_floating_point():
+        raise ValueError(
+            f"History {what} must be integers, got {tensor.dtype} values (such as {values[0]!r}): convert them "
+            f"in load() (times to whole seconds)"
+        )
+    return tensor.to(torch.int64)
 
 
 class Collate:
@@ -89,17 +123,17 @@ class Collate:
         generator = self._generator(histories) if count else None
         negatives = torch.randint(1, self.num_items + 1, (count,), generator=generator)
         values = [
-            torch.tensor([i for h in histories for i in h.items]),
+            _integers([i for h in histories for i in h.items], "item ids"),
             negatives,
-            torch.tensor([a for h in histories for a in h.actions]),
-            torch.tensor([h.user for h in histories]),
-            torch.tensor([t for h in histories for t in h.times]),
+            _integers([a for h in histories for a in h.actions], "actions"),
+            _integers([h.user for h in histories], "user ids"),
+            _integers([t for h in histories for t in h.times], "times (seconds)"),
         ]
         key_lengths = [lengths, [self.negatives] * len(histories), lengths, [1] * len(histories), lengths]
-        keys = [*SPARSE_KEYS, "time"]
+        keys = [*LOOKUP_KEYS, "time"]
         if self.with_targets:
             keys.append("target")
-            values.append(torch.tensor([s[1] for s in samples]))
+            values.append(_integers([s[1] for s in samples], "held-out item ids"))
             key_lengths.append([1] * len(samples))
         features = KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.cat(values), lengths=torch.tensor([n for ls in key_lengths for n in ls])
@@ -222,6 +256,7 @@ class HistoryDataModule(pl.LightningDataModule):
         if self.train_histories:
             return
         histories = self.load()
+        check_histories(histories)
         self.num_items = max(i for h in histories for i in h.items)
         self.num_users = max(h.user for h in histories)
         self.num_actions = max(a for h in histories for a in h.actions) + 1

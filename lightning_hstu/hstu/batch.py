@@ -50,11 +50,6 @@ class HSTUBatch:
             return self.host_lengths
         return self.features.lengths().cpu()
 
-    def sequence_lengths_on_host(self) -> torch.Tensor:
-        """``sequence_lengths()`` in host memory (``lengths_on_host``: no wait where the batch came from there)."""
-        keys = self.features.keys()
-        return self.lengths_on_host().view(len(keys), -1)[keys.index(self.sequence_keys[0])]
-
     def to(self, device: torch.device, non_blocking: bool = True) -> "HSTUBatch":
         # Non-blocking by default: Lightning's transfer passes no flag for non-tensor batches, and the h2d
         # task runs on its own stream, whose copy the engine's events order before every consumer.

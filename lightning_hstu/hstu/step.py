@@ -16,7 +16,11 @@ LOOKUP_BAG = 32
 """Ids per bag in the features the tables look up (``in_bags``)."""
 
 
-def sparse_features(batch: HSTUBatch, sparse_keys: int = 4) -> KeyedJaggedTensor:
+LOOKUP_KEYS = ("item", "item_neg", "action", "user")
+"""The first keys of an ``HSTUBatch``'s features, in this order: the ids the embedding tables look up."""
+
+
+def sparse_features(batch: HSTUBatch, sparse_keys: int = len(LOOKUP_KEYS)) -> KeyedJaggedTensor:
     """The ids the EmbeddingCollection embeds (the batch's first four keys: item, item_neg, action, user)
     in bags of at most ``LOOKUP_BAG`` (``in_bags``; ``HSTURecommender.sparse_features`` puts the item
     table under item_neg for the full softmax)."""

@@ -1100,6 +1100,13 @@ def _check(q, k, v, offsets, timestamps, position, time):
             f"q and k need the same width and q, k, v one dtype; got {tuple(q.shape)} {q.dtype}, "
             f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
         )
+    if timestamps.is_floating_point() or offsets.is_floating_point():
+        raise ValueError(
+            f"timestamps (seconds) and offsets must be integer tensors, got {timestamps.dtype} and {offsets.dtype}: "
+            f"the time ranges that decide a tile's buckets are taken in integers"
+        )
+    if position.numel() == 0 or time.numel() == 0:
+        raise ValueError(f"the bias tables need at least one entry each, got {position.numel()} and {time.numel()}")
     if timestamps.shape != q.shape[:1] or offsets.dim() != 1 or len(offsets) < 2:
         raise ValueError(
             f"timestamps must be [tokens] ({q.shape[0]}) and offsets [sequences + 1]; got "

@@ -29,7 +29,7 @@ from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedAdamW, GraphedMethod
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import ShardedEmbeddings
-from ..hstu.step import dense_losses, global_token_scale, global_tokens, sparse_features
+from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
 
@@ -182,6 +182,13 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             dict(num_items=num_items, num_users=num_users, num_actions=hp.num_actions or data.num_actions),
             dict(num_items=data.num_items, num_users=data.num_users, num_actions=data.num_actions),
         )
+        head = self.objectives.ranking_head
+        if head is not None and head[-1].out_features < data.num_actions:
+            raise ValueError(
+                f"the data's actions go up to {data.num_actions - 1} ({data.num_actions} classes), but the ranking "
+                f"head predicts {head[-1].out_features} (num_actions={hp.num_actions}; unset means 5): set "
+                f"num_actions={data.num_actions}, or ranking_weight=0 to train without the ranking loss"
+            )
         self.num_items = num_items
         self.objectives.retrieval = resolve_retrieval(hp.retrieval_loss, num_items)
         self.objectives.catalogue = num_items + 1
@@ -619,7 +626,7 @@ class HSTUObjectives(nn.Module):
     ) -> DenseInputs | JaggedInputs:
         """The inputs of ``losses``; with ``training=False`` (for ``last_states``) no negatives; ``static``
         pads to the model's length (the padded layout; the jagged one is grown by the graph)."""
-        self.check_history_lengths(batch)
+        self.check_batch(batch, training)
         lengths = batch.sequence_lengths()
         target_ids, sampled_ids, actions, times = batch.values_of("item", "item_neg", "action", "time")
         items = embeddings["item"].values()
@@ -653,19 +660,57 @@ class HSTUObjectives(nn.Module):
             mask=pad.mask,
         )
 
-    def check_history_lengths(self, batch: HSTUBatch) -> None:
-        """Raise ``ValueError`` for a history longer than the model's ``max_seq_len`` events, naming it: the
-        fused kernel's grid and the position tables are sized by that length (the kernel would leave the
-        outputs of a longer history's later tokens unwritten; the padded layout would clamp its distances,
-        or, padded to the model's length for graph capture, index past it). Read from the lengths in host
-        memory: no wait for the GPU where the batch came from the host."""
-        lengths = batch.sequence_lengths_on_host()
-        if len(lengths) and int(lengths.max()) > self.max_events:
-            sample = int(lengths.argmax())
+    def check_batch(self, batch: HSTUBatch, training: bool = True) -> None:
+        """Raise ``ValueError`` for a batch the model would read wrongly, naming the sample and what is wrong:
+        its first four keys are not the ids the tables look up (``LOOKUP_KEYS``, in that order: TorchRec
+        looks up keys by position) or it has no ``time``; a sample whose items, actions and times differ in
+        number (the model aligns them by the items); a sample without exactly one user id; with the sampled
+        softmax in training, samples with different numbers of negatives or none (each history's scores are
+        its own row of them); a history longer than the model's ``max_seq_len`` events (the fused kernel's
+        grid and the position tables are sized by it: the kernel would leave a longer history's later
+        tokens without output; the padded layout would clamp its distances, or, padded to the model's
+        length for graph capture, index past it). Read from the lengths in host memory: no wait for the
+        GPU where the batch came from the host."""
+        keys = batch.features.keys()
+        if tuple(keys[: len(LOOKUP_KEYS)]) != LOOKUP_KEYS or "time" not in keys:
             raise ValueError(
-                f"sample {sample} of the batch has a history of {int(lengths[sample])} events, longer than the "
-                f"model's max_seq_len={self.max_events}: cap the histories at {self.max_events} events (the data "
-                f"module's max_seq_len) or raise the model's max_seq_len"
+                f"the batch's features are keyed {keys}: HSTURecommender needs {', '.join(LOOKUP_KEYS)} as the first "
+                f"four keys, in that order (the ids its tables look up, by position), and a 'time' key"
+            )
+        rows = batch.lengths_on_host().view(len(keys), -1).tolist()  # lists: cheaper than tensor ops on 32 numbers
+        items = rows[0]
+        for key in ("action", "time"):
+            other = rows[keys.index(key)]
+            if other != items:
+                sample = next(i for i, (a, b) in enumerate(zip(items, other)) if a != b)
+                raise ValueError(
+                    f"sample {sample} of the batch has {items[sample]} items but {other[sample]} {key!r} values: "
+                    f"every event needs one item, one action and one time"
+                )
+        users = rows[LOOKUP_KEYS.index("user")]
+        if users.count(1) != len(users):
+            sample = next(i for i, n in enumerate(users) if n != 1)
+            raise ValueError(f"sample {sample} of the batch has {users[sample]} 'user' ids: each history needs one")
+        negatives = rows[LOOKUP_KEYS.index("item_neg")]
+        if (
+            training
+            and self.retrieval == "sampled"
+            and negatives
+            and (min(negatives) < 1 or max(negatives) > min(negatives))
+        ):
+            raise ValueError(
+                f"retrieval_loss='sampled' scores each history against its own 'item_neg' ids, as many for every "
+                f"sample and at least one; this batch has {sorted(set(negatives))} per sample: give every sample "
+                f"the same number of negatives (HistoryDataModule(negatives=...)), or use retrieval_loss='full' or "
+                f"'in_batch'"
+            )
+        longest = max(items, default=0)
+        if longest > self.max_events:
+            sample = items.index(longest)
+            raise ValueError(
+                f"sample {sample} of the batch has a history of {longest} events, longer than the model's "
+                f"max_seq_len={self.max_events}: cap the histories at {self.max_events} events (the data module's "
+                f"max_seq_len) or raise the model's max_seq_len"
             )
 
     def graph_growth(self, inputs: DenseInputs | JaggedInputs) -> tuple[int | None, tuple[int, ...]]:
