@@ -1313,7 +1313,8 @@ def hstu_attention(
 ) -> torch.Tensor:
     """Fused jagged HSTU attention (see the module's docstring): ``q``, ``k`` ``[N, heads, attention_dim]``,
     ``v`` ``[N, heads, hidden_dim]`` (inner dimension contiguous; views of a wider tensor are fine),
-    ``offsets`` ``[B + 1]`` (the rows of sequence b are ``offsets[b]:offsets[b + 1]``), ``timestamps``
+    ``offsets`` ``[B + 1]`` (the rows of sequence b are ``offsets[b]:offsets[b + 1]``, non-decreasing, the
+    last at most N: not checked here, which would wait for the GPU), ``timestamps``
     ``[N]`` integers (seconds), ``position`` and ``time`` the 1-d bias tables, ``max_len`` at least the
     longest sequence (it sizes the grid; not checked here, which would wait for the GPU: a longer sequence's
     rows past it get no output; ``HSTURecommender`` checks its batches' lengths on the host). Returns
