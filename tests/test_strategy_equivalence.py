@@ -7,6 +7,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_runs import assert_same_weights, fit
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
+from lightning_hstu.data.toy import ToyDataModule
 
 SCENARIOS = {
     "two_epochs": {},
@@ -59,3 +60,18 @@ def test_one_process_trains_the_module_itself_not_a_torch_ddp_wrapper():
     seen = TrainedModules()
     fit(HSTUPipelineStrategy("default_d6"), callbacks=[seen], limit_train_batches=3, max_epochs=1)
     assert seen.types == {"ToyRecommender"}
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("strategy", ["auto", "legacy_none", "default_d6"])
+def test_a_second_fit_of_the_same_trainer_goes_on_where_the_first_stopped(strategy):
+    """As Lightning's own loop: ``fit`` again after raising ``max_epochs`` trains the next epoch only (the
+    epochs, batches and optimizer steps of the first fit stay counted), and ``fit`` again without raising it
+    trains nothing."""
+    model, trainer = fit("auto" if strategy == "auto" else HSTUPipelineStrategy(strategy), max_epochs=1)
+    assert len(model.batches_seen) == 12
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, ToyDataModule())
+    assert len(model.batches_seen) == 24 and trainer.current_epoch == 2 and trainer.global_step == 24
+    trainer.fit(model, ToyDataModule())
+    assert len(model.batches_seen) == 24 and trainer.global_step == 24

@@ -321,8 +321,11 @@ class EngineFitLoop(_FitLoop):
 
 def install_engine_loop(trainer, strategy: "HSTUPipelineStrategy") -> EngineEpochLoop:
     """Replace the trainer's fit loop by one whose epoch loop is the engine, keeping its settings; return
-    that epoch loop."""
+    that epoch loop. A later ``fit`` of the same Trainer keeps it, as Lightning keeps its own: the epochs,
+    batches and optimizer steps already trained stay counted (a new loop would train from epoch 0 again)."""
     old = trainer.fit_loop
+    if isinstance(old, EngineFitLoop):
+        return old.epoch_loop
     loop = EngineFitLoop(trainer, min_epochs=old.min_epochs, max_epochs=old.max_epochs)
     loop._data_source = old._data_source
     epoch_loop = EngineEpochLoop(trainer, old.epoch_loop.min_steps, old.epoch_loop.max_steps, strategy)
