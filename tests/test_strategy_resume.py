@@ -8,7 +8,7 @@ under Lightning's own loop either.)
 """
 
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_runs import assert_same_weights, fit
 
@@ -55,4 +55,35 @@ def test_resume_at_the_end_of_an_epoch(tmp_path):
     uninterrupted, _ = fit(HSTUPipelineStrategy("default_d6"), data_kwargs=data, **trainer_kwargs)
     first, resumed = interrupted_run("default_d6", tmp_path, 12, data, trainer_kwargs)
     assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
+    assert_same_weights(resumed, uninterrupted)
+
+
+class FailsAtStep(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"failed at step {self.step}")
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_a_checkpoint_saved_on_an_exception_resumes_at_the_first_batch_not_trained(preset, tmp_path):
+    """Lightning's OnExceptionCheckpoint saves after the epoch loop has ended with the exception; with a
+    StatefulDataLoader the checkpoint still holds the loader state from before the oldest batch not trained
+    (not the state of the loader pulled ahead: the resume skipped 3 batches under legacy_none and the rest of
+    the epoch under default_d6), and the resumed run ends as the uninterrupted one."""
+    data = dict(stateful=True)
+    uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data)
+    with pytest.raises(RuntimeError, match="failed at step 7"):
+        fit(
+            HSTUPipelineStrategy(preset),
+            data_kwargs=data,
+            enable_checkpointing=True,
+            callbacks=[FailsAtStep(7), OnExceptionCheckpoint(tmp_path, "failed")],
+        )
+    resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / "failed.ckpt")
+    assert trainer.global_step == 24
+    assert resumed.batches_seen == uninterrupted.batches_seen[7:]
     assert_same_weights(resumed, uninterrupted)
