@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from ranks import launch_env
 from small_hstu import SMALL_MODEL, small_data
@@ -276,3 +276,44 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_is_cleaned_up_b
         "step=3.ckpt",
         "step=6.ckpt",
     ]  # the killed save's leftovers are gone
+
+
+class FailsAfterBackward(Callback):
+    """Raises in on_after_backward of batch 3: the tables' fused optimizer has applied the batch, the dense
+    optimizer step has not run."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.fit_loop.epoch_loop.batch_idx == 3:
+            raise RuntimeError("failed after backward")
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_a_checkpoint_with_the_tables_a_batch_ahead_is_refused_for_training_on(engine, tmp_path):
+    """A checkpoint saved after a step failed between backward (which applies the batch to the tables) and the
+    dense optimizer step (Lightning's OnExceptionCheckpoint) holds the tables one batch ahead of the dense
+    weights; resumed, the batch would be applied to the tables twice. Training on from it is refused, naming
+    the batch, before anything is loaded; evaluation may load it."""
+
+    def trainer(**kwargs):
+        return pl.Trainer(
+            strategy=HSTUPipelineStrategy("default_d6", engine=engine),
+            accelerator="cpu",
+            devices=1,
+            max_steps=8,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=2,
+            **kwargs,
+        )
+
+    pl.seed_everything(0, verbose=False)
+    failing = trainer(enable_checkpointing=True, callbacks=[FailsAfterBackward(), OnExceptionCheckpoint(tmp_path)])
+    with pytest.raises(Exception, match="failed after backward"):
+        failing.fit(HSTURecommender(**SMALL_MODEL), small_data())
+    saved = tmp_path / "on_exception.ckpt"
+    model = HSTURecommender(**SMALL_MODEL)
+    with pytest.raises(CheckpointError, match=r"after the step of batch 3 \(epoch 0\) failed between backward"):
+        trainer(enable_checkpointing=False).fit(model, small_data(), ckpt_path=str(saved))
+    trainer(enable_checkpointing=False).validate(HSTURecommender(**SMALL_MODEL), small_data(), ckpt_path=str(saved))

@@ -26,6 +26,12 @@ from .. import known_warnings  # noqa: F401  (TorchRec's lookups ask torch.fx wh
 from . import recat
 from .batch import check_ids
 
+TABLES_AHEAD = "hstu_tables_ahead"
+"""A checkpoint entry: [epoch, batch] when the checkpoint was saved after that batch's step failed between
+backward (where the tables' fused optimizer applied the batch) and the dense optimizer step. A module with
+``ShardedEmbeddings`` sets it; ``HSTUPipelineStrategy`` refuses to train on from such a checkpoint (the batch
+would be applied to the tables twice)."""
+
 
 @dataclass
 class InputDist:

@@ -28,7 +28,7 @@ from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedAdamW, GraphedMethod
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
-from ..hstu.sparse import ShardedEmbeddings
+from ..hstu.sparse import TABLES_AHEAD, ShardedEmbeddings
 from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
@@ -163,6 +163,9 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         self._graphed: GraphedMethod | None = None
         self._unpipelined_batch: int | None = None  # set while Lightning's own loop trains a batch
         self._last_batch: HSTUBatch | None = None
+        self._tables_ahead: tuple[int, int] | None = None
+        """(epoch, batch) whose update the tables' fused optimizer applied in backward while the dense optimizer
+        step of that batch has not run yet."""
 
     # ----- built once the process group exists ------------------------------------------------------
 
@@ -320,8 +323,20 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     def on_after_backward(self) -> None:
         # Right after backward, as the engine's finalize task: Lightning's GradScaler unscaling and the
         # callbacks' on_before_optimizer_step run before this module's hook and must see the gradients.
-        if self._unpipelined_batch is not None and not self.trainer.fit_loop.epoch_loop._should_accumulate():
+        accumulating = self.trainer.fit_loop.epoch_loop._should_accumulate()
+        if self._unpipelined_batch is not None and not accumulating:
             self._finalize_grads(self._unpipelined_batch)
+        if accumulating:  # no dense step for this batch: its update is whole
+            self._tables_ahead = None
+
+    # ----- the tables' update is applied inside backward, the dense one at the optimizer step ----------
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._tables_ahead = (self.current_epoch, self.trainer.fit_loop.epoch_loop.batch_idx)
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self._tables_ahead = None
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self._unpipelined_batch is not None:
@@ -334,6 +349,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         # The fused sparse optimizer is not a Lightning optimizer: its state (sharded, like the tables)
         # travels in an entry of its own, which the strategy writes through torch.distributed.checkpoint.
         checkpoint["sparse_optimizer"] = self.embeddings.model_parallel.fused_optimizer.state_dict()
+        if self._tables_ahead is not None:  # a save after a step failed between backward and the dense step
+            checkpoint[TABLES_AHEAD] = list(self._tables_ahead)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Through the strategy, DCP has already filled the live state in place; this also loads a

@@ -16,7 +16,9 @@ from typing_extensions import override
 from ..engine import TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
 from ..engine.affinity import ThreadPin, check_pin_threads, core_for
 from ..hstu.presets import DEFAULT_PRESET, PRESET_NAMES, resolve_plan
+from ..hstu.sparse import TABLES_AHEAD
 from ..hstu.tasks import GRAPH_TASKS
+from ..loops.errors import CheckpointError
 from ..plan import PlanError
 from . import process_groups, sharded_checkpoint
 
@@ -311,9 +313,23 @@ class HSTUPipelineStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        connector = self.lightning_module.trainer._checkpoint_connector
+        trainer = self.lightning_module.trainer
+        connector = trainer._checkpoint_connector
+
+        def check(checkpoint: dict[str, Any]) -> None:
+            ahead = checkpoint.get(TABLES_AHEAD)
+            if ahead is not None and trainer.state.fn == TrainerFn.FITTING:
+                epoch, batch = ahead
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_path} was saved after the step of batch {batch} (epoch {epoch}) failed "
+                    f"between backward, which had applied the batch to the embedding tables, and the dense "
+                    f"optimizer step: its tables are one batch ahead of its dense weights, and training on from it "
+                    f"would apply that batch to the tables twice. Resume from a checkpoint saved before the failure "
+                    f"(validate, test and predict may load this one)"
+                )
+
         return sharded_checkpoint.load(
-            checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False), weights_only
+            checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False), weights_only, check
         )
 
     @override

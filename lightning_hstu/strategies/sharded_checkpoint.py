@@ -194,13 +194,21 @@ def _id_tensor(save_id: str) -> torch.Tensor:
 # ----- loading --------------------------------------------------------------------------------------------
 
 
-def load(path: str | Path, template: Callable[[], dict[str, Any]], weights_only: bool | None = None) -> dict[str, Any]:
+def load(
+    path: str | Path,
+    template: Callable[[], dict[str, Any]],
+    weights_only: bool | None = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """The whole checkpoint; ``template()`` gives the current checkpoint (Lightning's dump of the running
     trainer), whose sharded entries DCP fills in place with the saved values. ``weights_only`` None or
-    True runs no code from the checkpoint; False trusts it (see the module's docstring)."""
+    True runs no code from the checkpoint; False trusts it (see the module's docstring). ``check`` sees the
+    entries of ``lightning.pt`` before any shard is loaded (it may raise: nothing is applied then)."""
     path = Path(path)
     safe = weights_only is not False
     checkpoint = _load_lightning_file(path / LIGHTNING_FILE, safe)
+    if check is not None:
+        check(checkpoint)
     keys = checkpoint.pop(SHARDED_KEYS)
     save_id = checkpoint.pop(SAVE_ID, None)
     current = template()
