@@ -50,14 +50,12 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
         self._profiling = False  # Lightning's "run_training_batch" profiler section is open
         self._takes_batch_idx: tuple[Any, bool] | None = None  # (training_step's function, takes batch_idx)
-        self._interrupted: tuple[list[dict[str, Any]] | None, list[int | None]] | None = None
-        """When an exception ended the epoch: the loader state to save and the loaders' batch sizes."""
 
     # ----- the epoch -------------------------------------------------------------------------------
 
     @override
     def run(self, data_fetcher: _DataFetcher) -> None:
-        self._interrupted = None
+        self._batches = None  # an epoch that an exception ended left its batches for a checkpoint; not this one's
         self.reset()
         self.on_run_start(data_fetcher)
         if self._resume_validation(data_fetcher) or self.done:
@@ -102,19 +100,16 @@ class EngineEpochLoop(_TrainingEpochLoop):
                         self.on_iteration_done()
                     if self.done:
                         break
-        except BaseException:
-            # Lightning saves a checkpoint on an exception after this loop ends (OnExceptionCheckpoint, a
-            # SIGTERM's save): keep the loader state from before the oldest batch not trained for it.
-            if self._batches is not None:
-                self._interrupted = (self.loader_state_to_save(), self._batches.batch_sizes())
-            raise
         finally:
             self._strategy.release_threads()  # the next epoch's loader iterator starts with the cores
-            self._batches = None
             self._tasks.current = None
             if self._profiling:  # a step that failed
                 self._profiling = False
                 self.trainer.profiler.stop("run_training_batch")
+        # The epoch ended. After an exception the batches stay: Lightning saves a checkpoint on it after this
+        # loop ends (OnExceptionCheckpoint, a SIGTERM's save), which takes the loader state from before the
+        # oldest batch not trained from them.
+        self._batches = None
 
     def _pin_threads(self, engine: Engine) -> None:
         """With ``pin_threads``: the caller's and the engine's threads on their core, from the end of the epoch's
@@ -288,8 +283,6 @@ class EngineEpochLoop(_TrainingEpochLoop):
         state = super().on_save_checkpoint()
         if self._batches is not None:  # mid-epoch: a resume skips what was trained, counted in batches
             state["hstu_batch_sizes"] = self._batches.batch_sizes()
-        elif self._interrupted is not None:
-            state["hstu_batch_sizes"] = self._interrupted[1]
         return state
 
     @override
@@ -300,9 +293,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
     def loader_state_to_save(self) -> list[dict[str, Any]] | None:
         """During an epoch, or after an exception ended it: the loader state from before the oldest batch not
         yet trained."""
-        if self._batches is None:
-            return None if self._interrupted is None else self._interrupted[0]
-        if not self._batches.stateful:
+        if self._batches is None or not self._batches.stateful:
             return None
         return self._batches.loader_state(self.batch_progress.current.ready)
 
