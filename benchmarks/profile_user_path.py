@@ -104,9 +104,15 @@ def main():
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run, in seconds")
     parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
     parser.add_argument("--pin-threads", type=int, metavar="CORE", help="HSTUPipelineStrategy(pin_threads=CORE)")
+    parser.add_argument(
+        "--step-timeout",
+        type=lambda value: None if value == "none" else float(value),
+        default=600.0,
+        help="HSTUPipelineStrategy(step_timeout=...) in seconds, or none (default 600, as hstu_pipelines.py)",
+    )
     args = parser.parse_args()
-    if args.pin_threads is not None and (args.plain or args.lightning):
-        parser.error("--pin-threads is the strategy's option: not with --plain or --lightning")
+    if (args.pin_threads is not None or args.step_timeout != 600.0) and (args.plain or args.lightning):
+        parser.error("--pin-threads and --step-timeout are the strategy's options: not with --plain or --lightning")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.sync_debug and not torch.cuda.is_available():
@@ -146,7 +152,10 @@ def main():
         HSTUPipelineStrategy(engine=False)
         if args.lightning
         else HSTUPipelineStrategy(
-            preset=args.preset, capture_graphs=args.graphs, step_timeout=600, pin_threads=args.pin_threads
+            preset=args.preset,
+            capture_graphs=args.graphs,
+            step_timeout=args.step_timeout,
+            pin_threads=args.pin_threads,
         )
     )
     trainer = user_path_trainer(strategy, device, total, [_Marks(args.warmup, args.every, args.ready, diagnostics)])
