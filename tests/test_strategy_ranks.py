@@ -47,13 +47,20 @@ def test_two_ranks_equal_lightnings_ddp(strategy, lightning_ddp, tmp_path):
         assert torch.equal(ranks[1]["weights"][name], value), name
 
 
-def test_a_rank_with_fewer_batches_ends_the_epoch_for_all(tmp_path):
-    ranks = fit_two_ranks("hstu_full_split_d6", tmp_path / "out", data="uneven")
+@pytest.mark.parametrize("data", ["uneven", "uneven_sized"])
+def test_a_rank_with_fewer_batches_ends_the_epoch_for_all(data, tmp_path):
+    """Loaders without a length (rank 0 has 10 batches, rank 1 has 6) and with one (rank 0 has 6, rank 1 has
+    10: the short rank reaches its own batch count and must still answer the others' "I have a batch")."""
+    ranks = fit_two_ranks("hstu_full_split_d6", tmp_path / "out", data=data)
     for rank in ranks:
-        assert rank["global_step"] == 2 * 6  # both stop at rank 1's 6 batches, each epoch
+        assert rank["global_step"] == 2 * 6  # both stop at the short rank's 6 batches, each epoch
         assert [idx for idx, _ in rank["seen"]] == list(range(6)) * 2
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(ranks[1]["weights"][name], value), name
+    long, short = (0, 1) if data == "uneven" else (1, 0)
+    assert ranks[short]["untrained_warnings"] == []
+    assert len(ranks[long]["untrained_warnings"]) == 2  # once per epoch, on the rank whose batches go untrained
+    assert ranks[long]["untrained_warnings"][0].startswith(f"rank {long}: another rank ran out of training data")
 
 
 def test_every_rank_stops_when_rank_0_received_sigterm_and_only_then(tmp_path):

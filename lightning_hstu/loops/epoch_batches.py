@@ -1,11 +1,12 @@
 """The batches of one training epoch, pulled from Lightning's data fetcher for the engine's ring."""
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _DataFetcher
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
 class EpochBatches:
@@ -14,7 +15,10 @@ class EpochBatches:
     - It stops at the epoch's batch count (``limit_train_batches``), so the ring never pulls a batch the
       epoch will not train.
     - Ranks agree on the end of data: before each batch every rank says whether it has one, and all stop
-      at the first rank's end (``all_ranks_have``), so a rank with fewer batches never hangs the others.
+      at the first rank's end (``all_ranks_have``), so a rank with fewer batches never hangs the others. A
+      rank that reaches its own batch count (a loader with a length, or ``limit_train_batches``) says so
+      too, rather than leaving the others waiting for its answer. The rank whose batches are left
+      untrained warns.
     - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
       loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
       trained, not the state of a loader that is already ``depth - 1`` batches ahead.
@@ -72,7 +76,10 @@ class EpochBatches:
     def __iter__(self) -> Iterator[Any]:
         self._snapshot()
         index = self.start
-        while index < self._stop:
+        while True:
+            if index >= self._stop:
+                self._all_ranks_have(False)  # this rank's epoch is over: the others must not wait for its answer
+                break
             try:
                 batch, _, _ = next(self._fetcher)
                 has_batch = True
@@ -80,10 +87,7 @@ class EpochBatches:
                 batch, has_batch = None, False
             if not self._all_ranks_have(has_batch):
                 if has_batch:
-                    rank_zero_warn(
-                        "another rank ran out of training data first; every rank ends the epoch "
-                        "there, so the rest of this rank's batches are not trained this epoch"
-                    )
+                    _warn_untrained(index)
                 break
             self._snapshot()
             yield batch
@@ -101,3 +105,13 @@ class EpochBatches:
         self._states[produced] = self._fetcher.combined_loader._state_dicts()
         for old in [n for n in self._states if n < produced - self._keep_states]:
             del self._states[old]
+
+
+def _warn_untrained(index: int) -> None:
+    """On the rank whose batches are left untrained (any rank: not only rank 0's warnings are shown)."""
+    rank = f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
+    warnings.warn(
+        f"{rank}another rank ran out of training data first; every rank ends the epoch at batch {index}, so "
+        "the rest of this rank's batches are not trained this epoch",
+        stacklevel=3,
+    )

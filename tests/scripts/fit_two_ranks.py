@@ -1,24 +1,26 @@
 """Fits the toy recommender on two processes, once per STRATEGY, one after the other in the same processes;
 run by test_strategy_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
-    python fit_two_ranks.py OUT_DIR STRATEGY [STRATEGY ...] [--data {even,uneven}] [--accelerator {cpu,gpu}]
+    python fit_two_ranks.py OUT_DIR STRATEGY [STRATEGY ...] [--data {even,uneven,uneven_sized}]
+        [--accelerator {cpu,gpu}]
         [--pin-threads CORE,CORE]
 
 Lightning's launcher starts the second rank by running this same command again (with ``--accelerator gpu``
 rank R trains on CUDA device R, over NCCL). After each fit every rank saves its weights, the batches it
-trained and its global step to OUT_DIR/<STRATEGY>.rank<R>.pt. With ``--pin-threads`` an ``hstu_<preset>``
+trained, its global step and the warnings about untrained batches to OUT_DIR/<STRATEGY>.rank<R>.pt. With ``--pin-threads`` an ``hstu_<preset>``
 strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and each training step's cores are saved too.
 """
 
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_hstu import HSTUPipelineStrategy  # (importing lightning_hstu registers the hstu_* strategies)
 from lightning_hstu.data.toy import ToyDataModule
@@ -36,6 +38,17 @@ class UnevenBatches(IterableDataset):
         gen = torch.Generator().manual_seed(rank)
         for _ in range(10 if rank == 0 else 6):
             yield torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
+
+
+class UnevenSizedBatches(Dataset):
+    """A loader with a length: rank 0 has 6 batches an epoch, rank 1 has 10 (the longer rank is not rank 0)."""
+
+    def __len__(self):
+        return 6 if torch.distributed.get_rank() == 0 else 10
+
+    def __getitem__(self, index):
+        gen = torch.Generator().manual_seed(1000 * torch.distributed.get_rank() + index)
+        return torch.randint(0, 64, (8, 6), generator=gen), torch.randn(8, generator=gen)
 
 
 class CoreRecording(ToyRecommender):
@@ -62,11 +75,17 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: l
         max_epochs=2,
         **QUIET,
         limit_val_batches=0,
+        use_distributed_sampler=data == "even",  # the uneven loaders are each rank's own
     )
-    if data == "uneven":
-        trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
-    else:
-        trainer.fit(model, ToyDataModule(num_samples=128))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if data == "uneven":
+            trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
+        elif data == "uneven_sized":
+            trainer.fit(model, train_dataloaders=DataLoader(UnevenSizedBatches(), batch_size=None))
+        else:
+            trainer.fit(model, ToyDataModule(num_samples=128))
+    untrained = [str(w.message) for w in caught if "ran out of training data" in str(w.message)]
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups left after fit
     torch.save(
@@ -76,6 +95,7 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: l
             "global_step": trainer.global_step,
             "groups": groups,
             "step_cores": getattr(model, "step_cores", None),
+            "untrained_warnings": untrained,
         },
         f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt",
     )
@@ -85,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("strategies", nargs="+")
-    parser.add_argument("--data", choices=("even", "uneven"), default="even")
+    parser.add_argument("--data", choices=("even", "uneven", "uneven_sized"), default="even")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--pin-threads", type=lambda cores: [int(core) for core in cores.split(",")])
     args = parser.parse_args()
