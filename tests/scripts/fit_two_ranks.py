@@ -7,8 +7,9 @@ run by test_strategy_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
 Lightning's launcher starts the second rank by running this same command again (with ``--accelerator gpu``
 rank R trains on CUDA device R, over NCCL). After each fit every rank saves its weights, the batches it
-trained, its global step and the warnings about untrained batches to OUT_DIR/<STRATEGY>.rank<R>.pt. With ``--pin-threads`` an ``hstu_<preset>``
-strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and each training step's cores are saved too.
+trained, its global step and the warnings about untrained batches to OUT_DIR/<STRATEGY>.rank<R>.pt. With
+``--pin-threads`` an ``hstu_<preset>`` strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and
+each training step's cores are saved too.
 """
 
 import argparse
