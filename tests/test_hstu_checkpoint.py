@@ -14,9 +14,9 @@ from ranks import launch_env
 SCRIPT = Path(__file__).parent / "scripts" / "hstu_resume.py"
 
 
-def run(out_dir: Path, max_steps: int, *args: str, devices: int = 2) -> list[dict]:
+def launch(out_dir: Path, max_steps: int, *args: str, devices: int = 2) -> subprocess.CompletedProcess:
     out_dir.mkdir()
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(SCRIPT), str(out_dir), str(max_steps), "--devices", str(devices), *args],
         capture_output=True,
         text=True,
@@ -24,6 +24,10 @@ def run(out_dir: Path, max_steps: int, *args: str, devices: int = 2) -> list[dic
         cwd=out_dir,
         env=launch_env(),
     )
+
+
+def run(out_dir: Path, max_steps: int, *args: str, devices: int = 2) -> list[dict]:
+    result = launch(out_dir, max_steps, *args, devices=devices)
     assert result.returncode == 0, result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
@@ -66,6 +70,15 @@ def test_one_rank_reads_the_checkpoint_of_two(uninterrupted, tmp_path):
         one_rank["state"]["model"]["objectives.stack.norm.weight"],
         two_ranks[0]["state"]["model"]["objectives.stack.norm.weight"],
     )
+
+
+def test_a_mid_epoch_checkpoint_of_two_ranks_is_refused_for_training_on_one(uninterrupted, tmp_path):
+    """Each rank's share of the epoch depends on the number of ranks: skipping the 3 batches per rank trained
+    before the checkpoint would train 24 of the epoch's 96 users twice on one rank (and skip 24 on four)."""
+    out, _ = uninterrupted
+    result = launch(tmp_path / "one", 12, "--resume", str(out / "step=3.ckpt"), devices=1)
+    assert result.returncode != 0
+    assert "the checkpoint was saved 3 batches into an epoch on 2 rank(s); this run has 1" in result.stderr
 
 
 def test_model_checkpoint_removes_the_older_checkpoint_directories(tmp_path):

@@ -48,6 +48,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._records: list[TaskRecord] = []  # of the engine steps since the last batch ended
         self._batches: EpochBatches | None = None
         self._saved_batch_sizes: list[int | None] | None = None  # of the checkpoint this run resumes
+        self._saved_world_size: int | None = None  # of the checkpoint this run resumes
         self._profiling = False  # Lightning's "run_training_batch" profiler section is open
         self._takes_batch_idx: tuple[Any, bool] | None = None  # (training_step's function, takes batch_idx)
 
@@ -74,7 +75,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             all_ranks_have=self._strategy.all_ranks_have_batch,
         )
         if start:
-            self._check_batch_sizes(start)
+            self._check_resume(start)
         if start and not self._batches.stateful:
             # on_run_start already counted them (as for a stateful loader); uncount them before skipping,
             # or the fetcher would count them twice and declare the epoch over early
@@ -118,11 +119,20 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if pin is not None and not pin.pinned:
             pin.pin([threading.current_thread(), *engine.threads()])
 
-    def _check_batch_sizes(self, start: int) -> None:
-        """A mid-epoch resume skips the batches the checkpoint had trained, counted in batches: with
-        another batch size that would skip other samples than those trained."""
+    def _check_resume(self, start: int) -> None:
+        """A mid-epoch resume skips the batches the checkpoint had trained, counted in batches of each rank's
+        share: with another batch size, or another number of ranks (other shares), that would skip other
+        samples than those trained."""
         saved, current = self._saved_batch_sizes, self._batches.batch_sizes()
-        self._saved_batch_sizes = None  # only the epoch the checkpoint was saved in
+        saved_ranks, ranks = self._saved_world_size, self.trainer.world_size
+        self._saved_batch_sizes = self._saved_world_size = None  # only the epoch the checkpoint was saved in
+        if saved_ranks is not None and saved_ranks != ranks:
+            raise CheckpointError(
+                f"the checkpoint was saved {start} batches into an epoch on {saved_ranks} rank(s); this run has "
+                f"{ranks}: each rank's share of the epoch differs, so skipping {start} batches per rank would "
+                f"train some samples twice or never. Resume on {saved_ranks} rank(s) (the number of ranks can "
+                f"change at an epoch boundary)"
+            )
         if saved is None or saved == current:
             return
         raise CheckpointError(
@@ -283,12 +293,14 @@ class EngineEpochLoop(_TrainingEpochLoop):
         state = super().on_save_checkpoint()
         if self._batches is not None:  # mid-epoch: a resume skips what was trained, counted in batches
             state["hstu_batch_sizes"] = self._batches.batch_sizes()
+            state["hstu_world_size"] = self.trainer.world_size
         return state
 
     @override
     def on_load_checkpoint(self, state_dict: dict) -> None:
         super().on_load_checkpoint(state_dict)
         self._saved_batch_sizes = state_dict.get("hstu_batch_sizes")
+        self._saved_world_size = state_dict.get("hstu_world_size")
 
     def loader_state_to_save(self) -> list[dict[str, Any]] | None:
         """During an epoch, or after an exception ended it: the loader state from before the oldest batch not
