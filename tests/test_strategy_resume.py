@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning_runs import assert_same_weights, fit
 
 from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.models.toy import ToyRecommender
 
 LOADERS = {
     "plain DataLoader, shuffled by DistributedSampler": (dict(shuffle=True), dict(use_distributed_sampler=True)),
@@ -59,6 +60,8 @@ def test_resume_at_the_end_of_an_epoch(tmp_path):
 
 
 class FailsAtStep(Callback):
+    """Raises at the end of the batch after which the global step is ``step`` (that batch trained)."""
+
     def __init__(self, step: int):
         self.step = step
 
@@ -67,21 +70,38 @@ class FailsAtStep(Callback):
             raise RuntimeError(f"failed at step {self.step}")
 
 
+class FailsInTrainingStep(ToyRecommender):
+    """Raises in ``training_step`` of batch 7 of the first epoch (that batch not trained), once."""
+
+    fail = True
+
+    def training_step(self, batch, batch_idx):
+        if FailsInTrainingStep.fail and self.current_epoch == 0 and batch_idx == 7:
+            FailsInTrainingStep.fail = False
+            raise RuntimeError("failed at step 7")
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("where", ["on_train_batch_end", "training_step"])
 @pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
-def test_a_checkpoint_saved_on_an_exception_resumes_at_the_first_batch_not_trained(preset, tmp_path):
+def test_a_checkpoint_saved_on_an_exception_resumes_at_the_first_batch_not_trained(preset, where, tmp_path):
     """Lightning's OnExceptionCheckpoint saves after the epoch loop has ended with the exception; with a
     StatefulDataLoader the checkpoint still holds the loader state from before the oldest batch not trained
     (not the state of the loader pulled ahead: the resume skipped 3 batches under legacy_none and the rest of
-    the epoch under default_d6), and the resumed run ends as the uninterrupted one."""
+    the epoch under default_d6), and the resumed run ends as the uninterrupted one. The failure comes after
+    batch 6 trained (in ``on_train_batch_end``) or while batch 7 trains (in ``training_step``: the resume
+    lost batch 7, as Lightning's own loop does), so either way batch 7 is the first not trained."""
     data = dict(stateful=True)
     uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data)
+    failing = dict(model_cls=FailsInTrainingStep) if where == "training_step" else dict(callbacks=[FailsAtStep(7)])
+    FailsInTrainingStep.fail = True
     with pytest.raises(RuntimeError, match="failed at step 7"):
         fit(
             HSTUPipelineStrategy(preset),
             data_kwargs=data,
             enable_checkpointing=True,
-            callbacks=[FailsAtStep(7), OnExceptionCheckpoint(tmp_path, "failed")],
+            **{**failing, "callbacks": [*failing.get("callbacks", []), OnExceptionCheckpoint(tmp_path, "failed")]},
         )
     resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / "failed.ckpt")
     assert trainer.global_step == 24

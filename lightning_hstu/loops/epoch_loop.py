@@ -307,7 +307,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         yet trained."""
         if self._batches is None or not self._batches.stateful:
             return None
-        return self._batches.loader_state(self.batch_progress.current.ready)
+        return self._batches.loader_state(self.batch_progress.current.processed)
 
     def close_engine(self) -> None:
         if self._engine is not None:
