@@ -13,11 +13,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from conftest import engine_threads
-from lightning_runs import assert_same_weights, fit
+from lightning_runs import QUIET, assert_same_weights, fit
 
 from lightning_hstu import HSTUPipelineStrategy, PlanError, TaskError
+from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 
@@ -96,6 +98,47 @@ def test_hooks_logging_validation_checkpoints_and_early_stopping_match_lightning
     assert model.autocast_seen  # bf16 autocast entered on the worker thread that ran training_step
     scheduler, e_scheduler = trainer.lr_scheduler_configs[0].scheduler, e_trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.last_epoch == e_scheduler.last_epoch
+    assert_same_weights(model, e_model)
+
+
+class BatchEnds(Callback):
+    """Records (epoch, batch index, batch given, outputs given, global step) at every ``on_train_batch_end``."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        given = (batch is not None, outputs is not None)
+        self.ends.append((trainer.current_epoch, batch_idx, *given, trainer.global_step))
+
+
+class SomeBatchesNone(ToyDataModule):
+    """A collate function that drops every batch whose items sum to a multiple of 3 (it gives None)."""
+
+    def train_dataloader(self):
+        def collate(samples):
+            batch = default_collate(samples)
+            return None if int(batch[0].sum()) % 3 == 0 else batch
+
+        return DataLoader(TensorDataset(self.items, self.ratings), batch_size=8, collate_fn=collate)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_a_batch_the_loader_gives_as_none_ends_with_the_hooks_as_under_lightning(preset):
+    """Lightning trains nothing on a None batch and still calls ``on_train_batch_end`` for it (outputs and
+    batch None): a callback that counts batches, or stops training at one, runs there too."""
+    runs = {}
+    for name, strategy in (("lightning", HSTUPipelineStrategy(engine=False)), (preset, HSTUPipelineStrategy(preset))):
+        ends = BatchEnds()
+        pl.seed_everything(0, verbose=False)
+        model = ToyRecommender()
+        trainer = pl.Trainer(strategy=strategy, callbacks=[ends], accelerator="cpu", devices=1, max_epochs=2, **QUIET)
+        trainer.fit(model, SomeBatchesNone())
+        runs[name] = ends.ends, model
+    (ends, model), (expected, e_model) = runs[preset], runs["lightning"]
+    assert any(not given for _, _, given, _, _ in expected)  # the data did give None batches
+    assert ends == expected
     assert_same_weights(model, e_model)
 
 

@@ -243,9 +243,10 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if self._num_ready_batches_reached():
             self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
         batch = current.kwargs.get("batch")
-        if not current.skip:
-            call._call_callback_hooks(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
-            call._call_lightning_module_hook(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
+        if current.skip:  # the loader gave None: Lightning calls the hooks with no outputs and no batch too
+            outputs = None
+        call._call_callback_hooks(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
+        call._call_lightning_module_hook(trainer, "on_train_batch_end", outputs, batch, current.batch_idx)
         trainer._logger_connector.on_batch_end()
         self.batch_progress.increment_completed()
         trainer._logger_connector.update_train_step_metrics()
