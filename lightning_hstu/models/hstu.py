@@ -14,7 +14,7 @@ loss of the whole global batch.
 import importlib.util
 import math
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -344,6 +344,28 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             self._watch(batch_idx)
 
     # ----- checkpoints ---------------------------------------------------------------------------------
+
+    ARCHITECTURE = (
+        "embedding_dim",
+        "num_layers",
+        "num_heads",
+        "attention_dim",
+        "hidden_dim",
+        "max_seq_len",
+        "position_embedding",
+        "scale_inputs",
+    )
+    """Hyper-parameters that decide what the weights mean: a checkpoint's must equal the running model's (table
+    sizes may be None, from the data: DCP's size check covers them)."""
+
+    def checkpoint_mismatch(self, saved: dict[str, Any]) -> list[str]:
+        """The ``ARCHITECTURE`` hyper-parameters in which a checkpoint's (``saved``) differ from this model's,
+        each named with both values (empty: the weights mean the same here)."""
+        return [
+            f"{name}={saved[name]!r} in the checkpoint, {self.hparams[name]!r} here"
+            for name in self.ARCHITECTURE
+            if name in saved and name in self.hparams and saved[name] != self.hparams[name]
+        ]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The fused sparse optimizer is not a Lightning optimizer: its state (sharded, like the tables)

@@ -317,6 +317,13 @@ class HSTUPipelineStrategy(DDPStrategy):
         connector = trainer._checkpoint_connector
 
         def check(checkpoint: dict[str, Any]) -> None:
+            mismatch = getattr(self.lightning_module, "checkpoint_mismatch", None)
+            differ = [] if mismatch is None else mismatch(checkpoint.get("hyper_parameters") or {})
+            if differ:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_path} was saved by a model of another configuration: {'; '.join(differ)}. "
+                    "Load it into a model with the checkpoint's settings"
+                )
             ahead = checkpoint.get(TABLES_AHEAD)
             if ahead is not None and trainer.state.fn == TrainerFn.FITTING:
                 epoch, batch = ahead
@@ -329,7 +336,11 @@ class HSTUPipelineStrategy(DDPStrategy):
                 )
 
         return sharded_checkpoint.load(
-            checkpoint_path, lambda: connector.dump_checkpoint(weights_only=False), weights_only, check
+            checkpoint_path,
+            lambda: connector.dump_checkpoint(weights_only=False),
+            weights_only,
+            check,
+            strict=self.lightning_module.strict_loading,
         )
 
     @override

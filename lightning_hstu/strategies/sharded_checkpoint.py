@@ -199,6 +199,7 @@ def load(
     template: Callable[[], dict[str, Any]],
     weights_only: bool | None = None,
     check: Callable[[dict[str, Any]], None] | None = None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """The whole checkpoint; ``template()`` gives the current checkpoint (Lightning's dump of the running
     trainer), whose sharded entries DCP fills in place with the saved values. ``weights_only`` None or
@@ -219,6 +220,18 @@ def load(
             f"not produce (its checkpoint has: {', '.join(sorted(current))})"
         )
     sharded = {key: current[key] for key in keys}
+    if strict and "state_dict" in sharded:
+        # DCP fills the entries the running module has and ignores the others: a checkpoint of a deeper
+        # model (more layers, a ranking head) would load silently, its extra weights dropped
+        expected = set(_flat_keys(sharded["state_dict"], "state_dict"))
+        saved = [k for k in _read_metadata(path, safe).state_dict_metadata if k.startswith("state_dict.")]
+        unexpected = sorted(k.removeprefix("state_dict.") for k in saved if k not in expected)
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint {path} holds weights the running module does not have: {', '.join(unexpected)} "
+                f"(a model of another configuration? the checkpoint's hyper-parameters: "
+                f"{checkpoint.get('hyper_parameters')})"
+            )
     if save_id is None:
         warnings.warn(
             f"checkpoint {path} records no save id (written before saves were atomic): whether its "
@@ -360,3 +373,11 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
             raise _unsafe_error(f"{self._path}, entry {read_item.dest_index.fqn}", _torch_reason(error)) from None
         value.seek(0)
         super().load_bytes(read_item, value)
+
+
+def _flat_keys(value: Any, prefix: str):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _flat_keys(v, f"{prefix}.{k}")
+    else:
+        yield prefix
