@@ -1,9 +1,11 @@
 """Reading MovieLens files into histories (offline: small files in the GroupLens formats)."""
 
+import re
+
 import pytest
 
 from lightning_hstu.data.histories import leave_two_out
-from lightning_hstu.data.movielens import MovieLens, histories_from, read_ratings
+from lightning_hstu.data.movielens import DataFileError, MovieLens, histories_from, read_ratings
 
 
 def test_ml100k_rows_become_time_ordered_histories_with_renumbered_ids(tmp_path):
@@ -17,8 +19,38 @@ def test_ml100k_rows_become_time_ordered_histories_with_renumbered_ids(tmp_path)
 
 def test_ml20m_half_stars_are_ten_action_classes(tmp_path):
     (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,5,0.5,10\n1,6,5.0,20\n1,7,3.5,30\n")
-    (history,) = histories_from(read_ratings("ml-20m", str(tmp_path)))
+    (history,) = histories_from(read_ratings("ml-20m", str(tmp_path)), half_stars=True)
     assert history.actions == (0, 9, 6)
+
+
+def test_ml20m_ratings_keep_their_action_class_in_a_file_without_half_stars(tmp_path):
+    """The classes come from the dataset's scale, not from what a file happens to hold: 4.0 is class 7 in every
+    ML-20M file (it was class 3 in a part of the file with no half star)."""
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,5,4.0,10\n1,6,1.0,20\n")
+    movielens = MovieLens("ml-20m", root=str(tmp_path))
+    (history,) = movielens.load()
+    assert history.actions == (7, 1)
+
+
+@pytest.mark.parametrize(
+    "dataset, line, named",
+    [
+        ("ml-100k", "1\t5\t0\t10", "rating '0' is not one of this dataset's (1, 2, 3, 4, 5)"),
+        ("ml-100k", "1\t5\tnan\t10", "rating 'nan' is not one of"),
+        ("ml-100k", "1\t5\t3\tinf", "expected user, item, rating and timestamp"),
+        ("ml-100k", "1\t5\t3\t10\t7", "expected user, item, rating and timestamp"),
+        ("ml-20m", "1,5,0.25,10", "rating '0.25' is not one of this dataset's (0.5, 1, 1.5,"),
+    ],
+    ids=["rating 0", "nan rating", "infinite time", "a fifth column", "quarter star"],
+)
+def test_a_rating_off_the_scale_or_an_extra_column_is_refused_naming_the_line(tmp_path, dataset, line, named):
+    good = "1\t6\t4\t5" if dataset == "ml-100k" else "1,6,4.0,5"
+    header = "userId,movieId,rating,timestamp\n" if dataset == "ml-20m" else ""
+    file = "ratings.csv" if dataset == "ml-20m" else "u.data"
+    (tmp_path / file).write_text(f"{header}{good}\n{line}\n")
+    number = 3 if header else 2
+    with pytest.raises(DataFileError, match=f"line {number}: " + re.escape(named)):
+        read_ratings(dataset, str(tmp_path))
 
 
 def test_ml1m_format(tmp_path):

@@ -15,6 +15,7 @@ from small_hstu import model_and_data
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.callbacks import RecommendationWriter
 from lightning_hstu.data.histories import Collate
+from lightning_hstu.data.movielens import MovieLens
 from lightning_hstu.models.hstu import HSTURecommender
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -75,6 +76,41 @@ def test_predict_writes_each_users_best_items_after_their_whole_history(tmp_path
         assert [score for _, score in got[history.user]] == pytest.approx(scores, rel=1e-5, abs=1e-6)
         if not seen_items:
             assert not set(items) & set(history.items)
+
+
+def test_predict_writes_the_files_user_and_movie_ids(tmp_path):
+    """MovieLens renumbers users and movies from 1 for the tables; the file names the dataset's ids (users 10,
+    20, ...; movies 7, 107, ...), which on ML-1M or ML-20M (movie ids with gaps) differ from the model's."""
+    root = tmp_path / "ml"
+    root.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    lines = [
+        f"{10 * user}\t{7 + 100 * int(movie)}\t{1 + int(rating)}\t{1000 * user + t}\n"
+        for user in range(1, 13)
+        for t, (movie, rating) in enumerate(zip(torch.randperm(40, generator=gen)[:8], torch.randint(0, 5, (8,))))
+    ]
+    (root / "u.data").write_text("".join(lines))
+    pl.seed_everything(0, verbose=False)
+    model, data = HSTURecommender(**model_and_data("cpu")[0]), MovieLens(root=str(root), batch_size=4, negatives=4)
+    writer = RecommendationWriter(top_k=5)
+    options = {**QUIET, "logger": pl.loggers.CSVLogger(tmp_path)}
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[writer],
+        **options,
+    )
+    trainer.fit(model, data)
+    trainer.predict(model, datamodule=data)
+    got = _read(writer.path)
+    assert sorted(got) == [10 * user for user in range(1, 13)]
+    model.eval()
+    for history in data.latest:
+        items, _ = _expected(model, data, history, 5, seen_items=False)
+        assert [item for item, _ in got[data.user_ids[history.user]]] == [data.item_ids[i] for i in items]
+        assert all(item % 100 == 7 for item, _ in got[data.user_ids[history.user]])
 
 
 def test_predict_recommends_after_the_test_item(tmp_path):

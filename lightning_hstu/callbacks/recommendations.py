@@ -13,9 +13,10 @@ class RecommendationWriter(BasePredictionWriter):
     """Writes the recommendations of ``trainer.predict`` (``models.ranking.RankingEvaluation.predict_step``:
     each user's ``top_k`` best next items, the items already in the history left out unless
     ``seen_items``) to ``<log_dir>/<filename>``, a CSV file with one row per user and recommendation:
-    ``user,rank,item,score`` (rank 1 is the best), users in ascending order. Every rank's recommendations
-    are gathered to rank 0, which writes the file. Recommendations for no item (score -inf: a user who has
-    seen nearly the whole catalogue) are left out."""
+    ``user,rank,item,score`` (rank 1 is the best), users in ascending order, with the dataset's own user
+    and item ids where the data module renumbered them (``user_ids``/``item_ids``: MovieLens's userId and
+    movieId). Every rank's recommendations are gathered to rank 0, which writes the file. Recommendations
+    for no item (score -inf: a user who has seen nearly the whole catalogue) are left out."""
 
     def __init__(self, top_k: int = 10, seen_items: bool = False, filename: str = "recommendations.csv"):
         super().__init__(write_interval="batch")
@@ -55,6 +56,12 @@ class RecommendationWriter(BasePredictionWriter):
             return
         self.path = Path(log_dir or trainer.default_root_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        users, items = (getattr(trainer.datamodule, name, None) for name in ("user_ids", "item_ids"))
+        if users is not None or items is not None:
+            rows = [
+                (user if users is None else users[user], rank, item if items is None else items[item], score)
+                for user, rank, item, score in rows
+            ]
         with self.path.open("w", newline="") as file:
             writer = csv.writer(file)
             writer.writerow(("user", "rank", "item", "score"))

@@ -236,6 +236,11 @@ class HistoryDataModule(pl.LightningDataModule):
         self.test: list[tuple[History, int]] = []
         self.latest: list[History] = []
         """Every user's whole history (its last ``max_seq_len`` events): what ``predict`` recommends after."""
+        self.user_ids: Sequence[int] | None = None
+        """The dataset's own id of each user id the model uses (index: the model's id), where ``load`` renumbered
+        them (``MovieLens``); None: the ids are the dataset's."""
+        self.item_ids: Sequence[int] | None = None
+        """The same for items."""
 
     def load(self) -> list[History]:
         raise NotImplementedError

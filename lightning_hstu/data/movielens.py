@@ -49,12 +49,19 @@ class RatingsFormat:
     """The exact first line, for formats that have one."""
     published: int | None
     """How many ratings the published dataset holds."""
+    half_stars: bool = False
+    """Ratings 0.5, 1.0, ..., 5.0 (ten action classes) rather than 1, 2, ..., 5 (five)."""
+
+    @property
+    def ratings(self) -> tuple[float, ...]:
+        """The ratings the dataset uses, in the order of their action classes."""
+        return tuple(half / 2 for half in range(1, 11)) if self.half_stars else (1.0, 2.0, 3.0, 4.0, 5.0)
 
 
 FORMATS = {
     "ml-100k": RatingsFormat("u.data", "\t", None, 100_000),
     "ml-1m": RatingsFormat("ratings.dat", "::", None, 1_000_209),
-    "ml-20m": RatingsFormat("ratings.csv", ",", "userId,movieId,rating,timestamp", 20_000_263),
+    "ml-20m": RatingsFormat("ratings.csv", ",", "userId,movieId,rating,timestamp", 20_000_263, half_stars=True),
 }
 FETCHED = RatingsFormat("ml-100k.inter", "\t", "user_id:token\titem_id:token\trating:float\ttimestamp:float", 100_000)
 
@@ -64,6 +71,10 @@ class MovieLens(HistoryDataModule):
 
     ``root``: a GroupLens folder (``u.data`` for ML-100K, ``ratings.dat`` for ML-1M, ``ratings.csv`` for
     ML-20M); None fetches ML-100K as described above.
+
+    Users and movies are renumbered from 1 in the order of their ids (the tables' rows); ``user_ids`` and
+    ``item_ids`` (set by ``setup``) give the file's id of each: ``item_ids[i]`` is the movie the model calls
+    ``i`` (index 0: no item). Recommendations are written with the file's ids.
     """
 
     def __init__(self, dataset: str = "ml-100k", root: str | None = None, **kwargs):
@@ -83,7 +94,9 @@ class MovieLens(HistoryDataModule):
             fetch_ml100k()
 
     def load(self) -> list[History]:
-        return histories_from(read_ratings(self.dataset, self.root))
+        rows = read_ratings(self.dataset, self.root)
+        self.user_ids, self.item_ids = renumbering(rows)
+        return histories_from(rows, FORMATS[self.dataset].half_stars)
 
     @property
     def description(self) -> str:
@@ -117,7 +130,7 @@ def parse_ratings(path: Path, ratings: RatingsFormat) -> list[tuple[int, int, fl
             if line.strip() != ratings.header:
                 raise DataFileError(f"{path}, line 1: expected the header {ratings.header!r}, got {line[:80]!r}")
             continue
-        rows.append(_rating(line, ratings.separator, path, number))
+        rows.append(_rating(line, ratings, path, number))
     if number == 0:
         raise DataFileError(f"{path} is empty")
     if not rows:
@@ -143,29 +156,41 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def _rating(line: str, separator: str, path: Path, number: int) -> tuple[int, int, float, int]:
-    fields = line.strip().split(separator)
+def _rating(line: str, ratings: RatingsFormat, path: Path, number: int) -> tuple[int, int, float, int]:
+    fields = line.strip().split(ratings.separator)
     try:
-        user, item, rating, time = fields[:4]
-        return int(user), int(item), float(rating), int(float(time))
-    except ValueError:
+        user, item, rating, time = fields
+        row = int(user), int(item), float(rating), int(float(time))
+    except (ValueError, OverflowError):  # too few or many fields, not numbers, an infinite time
         raise DataFileError(
             f"{path}, line {number}: expected user, item, rating and timestamp separated by "
-            f"{separator!r}, got {line.strip()[:80]!r}"
+            f"{ratings.separator!r}, got {line.strip()[:80]!r}"
         ) from None
+    if row[2] not in ratings.ratings:
+        valid = ", ".join(f"{r:g}" for r in ratings.ratings)
+        raise DataFileError(f"{path}, line {number}: rating {rating!r} is not one of this dataset's ({valid})")
+    return row
 
 
-def histories_from(rows: list[tuple[int, int, float, int]]) -> list[History]:
-    """Group ratings by user in time order; ids renumbered from 1 (0 means no item); rating -> action class."""
-    items = {item: index + 1 for index, item in enumerate(sorted({r[1] for r in rows}))}
-    half_stars = any(r[2] != int(r[2]) for r in rows)
+def renumbering(rows: list[tuple[int, int, float, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The file's user and item ids in the order ``histories_from`` numbers them: index ``n`` holds the id
+    numbered ``n`` (index 0, which numbers no user and no item, holds 0)."""
+    return (0, *sorted({r[0] for r in rows})), (0, *sorted({r[1] for r in rows}))
+
+
+def histories_from(rows: list[tuple[int, int, float, int]], half_stars: bool = False) -> list[History]:
+    """Group ratings by user in time order; ids renumbered from 1 (0 means no item) as ``renumbering`` lists
+    them; rating -> action class (``half_stars``: 0.5 -> 0 ... 5.0 -> 9, else 1 -> 0 ... 5 -> 4)."""
+    user_ids, item_ids = renumbering(rows)
+    users = {user: number for number, user in enumerate(user_ids) if number}
+    items = {item: number for number, item in enumerate(item_ids) if number}
     events = defaultdict(list)
     for user, item, rating, time in rows:
         action = int(round(rating * 2)) - 1 if half_stars else int(rating) - 1
-        events[user].append((time, items[item], action))
+        events[users[user]].append((time, items[item], action))
     histories = []
-    for number, user in enumerate(sorted(events), start=1):
-        ordered = sorted(events[user])
+    for number in sorted(events):
+        ordered = sorted(events[number])
         histories.append(
             History(number, tuple(e[1] for e in ordered), tuple(e[2] for e in ordered), tuple(e[0] for e in ordered))
         )
