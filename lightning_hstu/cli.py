@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .hstu.presets import DEFAULT_PRESET, NO_THREAD_MAP, PRESET_NAMES, PRESET_NOTES, THREAD_MAPS, resolve_plan
 from .hstu.tasks import GRAPH_TASKS
+from .paths import unused
 from .plan import Plan, PlanError
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -67,7 +68,7 @@ def _run_config_callback():
                 return
             log_dir = trainer.log_dir if trainer.loggers else None  # on every rank: it is a broadcast
             if trainer.is_global_zero:
-                path = _unused(_run_dir(log_dir, trainer.default_root_dir) / self.config_filename)
+                path = unused(_run_dir(log_dir, trainer.default_root_dir) / self.config_filename)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self.parser.save(self.config, str(path), skip_none=False, overwrite=False, multifile=self.multifile)
                 rank_zero_info(f"resolved config written to {path}")
@@ -82,16 +83,6 @@ def _run_dir(log_dir: str | None, default_root_dir: str) -> Path:
     logs = Path(default_root_dir) / "lightning_logs"
     taken = [int(p.name[8:]) for p in logs.glob("version_*") if p.name[8:].isdigit()]
     return logs / f"version_{max(taken, default=-1) + 1}"
-
-
-def _unused(path: Path) -> Path:
-    """``path``, or ``<stem>-v1<suffix>``, ``-v2``... if taken."""
-    version = 0
-    candidate = path
-    while candidate.exists():
-        version += 1
-        candidate = path.with_name(f"{path.stem}-v{version}{path.suffix}")
-    return candidate
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -126,3 +126,71 @@ def test_the_report_after_fit_and_test_on_two_ranks(tmp_path):
     assert result.stdout.count("ranked among all items:") == 1  # printed once, by rank 0
     written = json.loads((tmp_path / "runs" / "version_0" / "ranking.json").read_text())
     assert set(written["metrics"]) == set(RANKINGS) and set(written["metrics"]["all"]) == set(METRICS)
+
+
+class StopsAfterEpoch(Callback):
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            raise RuntimeError(f"stopped after epoch {self.epoch}")
+
+
+def _trainer(tmp_path, report, epochs, logger=True, extra=()):
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=CSVLogger(tmp_path) if logger else False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[report, *extra],
+    )
+
+
+def _tested_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("test ("))
+
+
+def test_the_report_names_the_weights_it_tested(tmp_path, capsys):
+    """After a fit that raised, the best epoch's weights were not put back; resumed from a checkpoint whose best
+    epoch stays best, they are not in memory; tested from a checkpoint, the checkpoint's: the report said
+    "weights of epoch N" in each case (after the resume it called the resumed run's last epoch the best)."""
+    data = small_data(negatives=0)
+    pl.seed_everything(0, verbose=False)
+    model, report = PeaksAtEpoch1(**SMALL_SASREC), RankingReport(monitor="val/score")
+    saver = pl.callbacks.ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, report, 3, extra=[saver, StopsAfterEpoch(2)])
+    try:
+        trainer.fit(model, data)
+    except RuntimeError:
+        pass
+    capsys.readouterr()
+    trainer.test(model, datamodule=data, verbose=False)
+    assert "weights at the end of fit, not those of the best epoch 1 (val/score 1.0000)" in _tested_line(
+        capsys.readouterr().out
+    )
+
+    resumed = RankingReport(monitor="val/score")  # a new process: the best epoch comes from the checkpoint
+    trainer = _trainer(tmp_path, resumed, 4)
+    trainer.fit(PeaksAtEpoch1(**SMALL_SASREC), data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert (resumed.best_epoch, resumed.best_score) == (1, 1.0)  # epochs 2 and 3 scored 0
+    capsys.readouterr()
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    assert "not those of the best epoch 1" in _tested_line(capsys.readouterr().out)
+
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert f"weights of checkpoint {tmp_path / 'ckpt' / 'last.ckpt'}" in _tested_line(capsys.readouterr().out)
+
+
+def test_without_a_logger_the_report_writes_no_file_into_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ranking.json").write_text("the user's own file")
+    trainer = _trainer(tmp_path, RankingReport(), 1, logger=False)
+    data = small_data(negatives=0)
+    trainer.fit(SASRecRecommender(**SMALL_SASREC), data)
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    assert "ranked among all items:" in capsys.readouterr().out  # the report is printed
+    assert (tmp_path / "ranking.json").read_text() == "the user's own file"

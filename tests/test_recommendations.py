@@ -113,6 +113,24 @@ def test_predict_writes_the_files_user_and_movie_ids(tmp_path):
         assert all(item % 100 == 7 for item, _ in got[data.user_ids[history.user]])
 
 
+def test_without_a_logger_predict_writes_beside_a_users_file_not_over_it(tmp_path):
+    writer = RecommendationWriter(top_k=2)
+    model, data, _ = _trained(tmp_path, writer)
+    (tmp_path / "recommendations.csv").write_text("the user's own file")
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        callbacks=[writer],
+        **QUIET,
+    )
+    trainer.predict(model, datamodule=data)
+    assert (tmp_path / "recommendations.csv").read_text() == "the user's own file"
+    assert writer.path == tmp_path / "recommendations-v1.csv"
+    assert len(_read(writer.path)) == len(data.latest)
+
+
 def test_predict_recommends_after_the_test_item(tmp_path):
     """The histories predicted from are the whole ones: the held-out validation and test items included."""
     _, data, _ = _trained(tmp_path, RecommendationWriter())

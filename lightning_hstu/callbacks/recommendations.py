@@ -8,11 +8,14 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ..paths import unused
+
 
 class RecommendationWriter(BasePredictionWriter):
     """Writes the recommendations of ``trainer.predict`` (``models.ranking.RankingEvaluation.predict_step``:
     each user's ``top_k`` best next items, the items already in the history left out unless
-    ``seen_items``) to ``<log_dir>/<filename>``, a CSV file with one row per user and recommendation:
+    ``seen_items``) to ``<log_dir>/<filename>`` (without a logger ``<default_root_dir>/<filename>``, or
+    ``<stem>-v1.csv``... where that is taken), a CSV file with one row per user and recommendation:
     ``user,rank,item,score`` (rank 1 is the best), users in ascending order, with the dataset's own user
     and item ids where the data module renumbered them (``user_ids``/``item_ids``: MovieLens's userId and
     movieId). Every rank's recommendations are gathered to rank 0, which writes the file. Recommendations
@@ -54,7 +57,10 @@ class RecommendationWriter(BasePredictionWriter):
         self._rows = []
         if not trainer.is_global_zero:
             return
-        self.path = Path(log_dir or trainer.default_root_dir) / self.filename
+        if trainer.loggers:  # the run's own directory: a second predict of the run writes over its first
+            self.path = Path(log_dir or trainer.default_root_dir) / self.filename
+        else:  # the working directory: never over a file already there
+            self.path = unused(Path(trainer.default_root_dir) / self.filename)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         users, items = (getattr(trainer.datamodule, name, None) for name in ("user_ids", "item_ids"))
         if users is not None or items is not None:

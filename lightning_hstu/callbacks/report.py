@@ -21,7 +21,11 @@ class RankingReport(Callback):
     the test items once, with those weights. After the test it prints every metric under both rankings for
     this model, for each other model whose ``ranking.json`` lies in a sibling run directory with the same
     data description (the latest run per model), and for the most-popular baseline; and writes this run's
-    ``ranking.json`` into its log directory.
+    ``ranking.json`` into its log directory (without a logger there is none: nothing is written and no other
+    run is read). The report names the weights it tested: the best epoch's where ``on_fit_end`` put them
+    back, a checkpoint's (``trainer.test(ckpt_path=...)``), or those at the end of fit, with the best epoch
+    they are not (a fit that raised; a resumed fit whose best epoch came before the resume and stayed best:
+    the checkpoint carries the best score and epoch, not their weights).
 
     Needs a model with ``evaluation_weights()`` that logs ``val/...`` and ``test/...`` as
     ``models.ranking.RankingEvaluation`` does, and a datamodule with ``most_popular()`` and ``description``
@@ -32,6 +36,17 @@ class RankingReport(Callback):
         self.best_score: float | None = None
         self.best_epoch: int | None = None
         self._best: list[torch.Tensor] | None = None
+        self._restored: int | None = None  # the epoch whose weights on_fit_end put back, since fit started
+
+    def state_dict(self) -> dict:
+        return {"best_score": self.best_score, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        # the best so far, whose weights are not in memory: a later epoch must beat it to be put back
+        self.best_score, self.best_epoch, self._best = state["best_score"], state["best_epoch"], None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._restored = None
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -51,11 +66,25 @@ class RankingReport(Callback):
         with torch.no_grad():
             for live, best in zip(pl_module.evaluation_weights(), self._best):
                 live.copy_(best)
+        self._restored = self.best_epoch
 
     def on_test_end(self, trainer, pl_module) -> None:
         # on every rank: Lightning's log_dir is a broadcast from rank 0, which only rank 0 would join below
-        log_dir = trainer.log_dir
+        log_dir = trainer.log_dir if trainer.loggers else None  # without a logger: the working directory
         self._report(trainer, pl_module, log_dir)
+
+    def tested(self, trainer) -> str:
+        """The weights the test ran with, in words."""
+        if trainer.ckpt_path:
+            return f"weights of checkpoint {trainer.ckpt_path}"
+        if self._restored is not None:
+            return f"weights of epoch {self._restored}, best {self.monitor} {self.best_score:.4f}"
+        if self.best_epoch is not None:
+            return (
+                f"weights at the end of fit, not those of the best epoch {self.best_epoch} ({self.monitor} "
+                f"{self.best_score:.4f}), which were not put back"
+            )
+        return "weights at the end of fit"
 
     @rank_zero_only
     def _report(self, trainer, pl_module, log_dir: str | None) -> None:
@@ -74,6 +103,7 @@ class RankingReport(Callback):
             "data": data.description,
             "metrics": metrics,
             "best_epoch": self.best_epoch,
+            "weights": self.tested(trainer),
             "monitor": self.monitor,
             "best_score": self.best_score,
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -85,20 +115,16 @@ class RankingReport(Callback):
             *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
             ("most popular", data.most_popular("test"), ""),
         ]
-        print(format_report(data.description, rows, self.best_epoch, self.monitor, self.best_score))
+        print(format_report(data.description, rows, self.tested(trainer)))
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RESULTS_FILE).write_text(json.dumps(result, indent=2))
 
 
-def format_report(description: str, rows, best_epoch, monitor, best_score) -> str:
-    """The test metrics of each (name, {ranking: {metric: value}}, note) row, one block per ranking."""
-    chosen = (
-        f"weights of epoch {best_epoch}, best {monitor} {best_score:.4f}"
-        if best_epoch is not None
-        else "weights at the end of fit"
-    )
-    lines = [f"\ntest ({description}; the last item of each history, {chosen}):"]
+def format_report(description: str, rows, weights: str) -> str:
+    """The test metrics of each (name, {ranking: {metric: value}}, note) row, one block per ranking;
+    ``weights`` says which were tested."""
+    lines = [f"\ntest ({description}; the last item of each history, {weights}):"]
     width = max(len(r[0]) for r in rows) + 2
     for ranking, label in RANKINGS.items():
         lines.append(f"{label}:")

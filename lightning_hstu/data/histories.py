@@ -229,7 +229,7 @@ class HistoryDataModule(pl.LightningDataModule):
         self.length_buckets = length_buckets
         self.batch_size, self.max_seq_len, self.negatives = batch_size, max_seq_len, negatives
         self.seed, self.num_workers = seed, num_workers
-        self.num_items = self.num_users = 0
+        self.num_items = self.num_users = self.num_events = 0
         self.num_actions = 5
         self.train_histories: list[History] = []
         self.validation: list[tuple[History, int]] = []
@@ -265,14 +265,20 @@ class HistoryDataModule(pl.LightningDataModule):
         self.num_items = max(i for h in histories for i in h.items)
         self.num_users = max(h.user for h in histories)
         self.num_actions = max(a for h in histories for a in h.actions) + 1
+        self.num_events = sum(len(h.items) for h in histories)
         split = leave_two_out(histories, self.max_seq_len)
         self.train_histories, self.validation, self.test = split.train, split.validation, split.test
         self.latest = [h.last(self.max_seq_len) for h in histories if h.items]
 
     @property
     def description(self) -> str:
-        """What the metrics were measured on: reports put side by side only runs of the same description."""
-        return f"{type(self).__name__}, leave-two-out, histories of at most {self.max_seq_len} events"
+        """What the metrics were measured on: reports put side by side only runs of the same description
+        (after ``setup``: the counts tell another file or another part of one apart)."""
+        return f"{type(self).__name__} ({self.counts}), leave-two-out, histories of at most {self.max_seq_len} events"
+
+    @property
+    def counts(self) -> str:
+        return f"{self.num_users:,} users, {self.num_items:,} items, {self.num_events:,} events"
 
     def train_dataloader(self) -> DataLoader:
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
@@ -347,6 +353,13 @@ class SyntheticHistories(HistoryDataModule):
     def __init__(self, num_users: int = 512, num_items: int = 2000, alpha: float = 1.2, **kwargs):
         super().__init__(**kwargs)
         self._users, self._items, self.alpha = num_users, num_items, alpha
+
+    @property
+    def description(self) -> str:
+        return (
+            f"SyntheticHistories (alpha {self.alpha:g}, seed {self.seed}; {self.counts}), leave-two-out, "
+            f"histories of at most {self.max_seq_len} events"
+        )
 
     def load(self) -> list[History]:
         rng = random.Random(self.seed)

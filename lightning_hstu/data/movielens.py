@@ -100,7 +100,9 @@ class MovieLens(HistoryDataModule):
 
     @property
     def description(self) -> str:
-        return f"MovieLens {self.dataset}, leave-two-out, histories of at most {self.max_seq_len} events"
+        return (
+            f"MovieLens {self.dataset} ({self.counts}), leave-two-out, histories of at most {self.max_seq_len} events"
+        )
 
 
 def read_ratings(dataset: str, root: str | None) -> list[tuple[int, int, float, int]]:
