@@ -381,6 +381,44 @@ def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
         small_data(length_buckets=-2)
 
 
+@pytest.mark.parametrize(
+    "make, argument, named",
+    [
+        # each of these trained before without a word: no layers, zero-wide heads, a softmax turned upside down
+        ("hstu", dict(num_layers=0), "num_layers must be at least 1, got 0"),
+        ("hstu", dict(num_heads=0), "num_heads must be at least 1, got 0"),
+        ("hstu", dict(attention_dim=0), "attention_dim must be at least 1, got 0"),
+        ("hstu", dict(temperature=-0.1), "temperature must be greater than 0, got -0.1"),
+        ("hstu", dict(temperature=0), "temperature must be greater than 0, got 0"),  # a NaN loss at step 0 before
+        ("hstu", dict(num_items=0), "num_items must be at least 1, got 0"),  # read as unset before
+        ("hstu", dict(sparse_lr=-1), "sparse_lr must be at least 0, got -1"),  # torch's message named no argument
+        ("sasrec", dict(num_heads=0), "num_heads must be at least 1, got 0"),  # "integer modulo by zero" before
+        ("data", dict(max_seq_len=0), "max_seq_len must be at least 1, got 0"),  # read as "no cap" before
+        ("data", dict(negatives=-1), "negatives must be at least 0, got -1"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and " " not in value else None,
+)
+def test_sizes_out_of_range_are_refused_naming_the_argument(make, argument, named):
+    from lightning_hstu.models.sasrec import SASRecRecommender
+
+    build = {
+        "hstu": lambda: HSTURecommender(**{**SMALL_MODEL, **argument}),
+        "sasrec": lambda: SASRecRecommender(**{"embedding_dim": 16, **argument}),
+        "data": lambda: small_data(**argument),
+    }[make]
+    with pytest.raises(ValueError, match=re.escape(named)):
+        build()
+
+
+def test_sasrec_refuses_an_item_table_smaller_than_the_data():
+    from lightning_hstu.models.sasrec import SASRecRecommender
+
+    model = SASRecRecommender(embedding_dim=16, num_heads=2, max_seq_len=32, num_items=50)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, **QUIET)
+    with pytest.raises(ValueError, match="num_items=50 is smaller than the data's 196 items"):
+        trainer.fit(model, small_data())  # an IndexError inside the lookup before
+
+
 def test_a_loss_scaling_precision_is_refused_before_it_scales_the_tables_updates():
     from lightning.pytorch.plugins.precision import MixedPrecision
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..checks import at_least
 from ..hstu.batch import HSTUBatch, IdError, check_ids
 from ..hstu.step import LOOKUP_KEYS
 from .evaluation import NO_TARGET, mean_metrics, most_popular_ranks
@@ -222,6 +223,8 @@ class HistoryDataModule(pl.LightningDataModule):
         length_buckets: int = 0,
     ):
         super().__init__()
+        at_least(1, batch_size=batch_size, max_seq_len=max_seq_len)
+        at_least(0, negatives=negatives, num_workers=num_workers)
         if length_buckets < 0:
             raise ValueError(
                 f"length_buckets must be 0 (plain shuffle) or a number of batches per pool, got {length_buckets}"

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..checks import at_least, positive
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
@@ -128,6 +129,11 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: {', '.join(NONFINITE)}")
         if ranking_weight < 0:
             raise ValueError(f"ranking_weight must be at least 0 (0 turns the ranking loss off), got {ranking_weight}")
+        at_least(1, embedding_dim=embedding_dim, num_layers=num_layers, num_heads=num_heads)
+        at_least(1, attention_dim=attention_dim, hidden_dim=hidden_dim, max_seq_len=max_seq_len)
+        at_least(1, num_items=num_items, num_users=num_users, num_actions=num_actions)  # None: from the data
+        at_least(0, lr=lr, sparse_lr=sparse_lr, weight_decay=weight_decay, dropout=dropout, input_dropout=input_dropout)
+        positive(temperature=temperature)
         self.save_hyperparameters()
         config = HSTUConfig(
             embedding_dim,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..checks import at_least
 from ..hstu.batch import HSTUBatch
 from .hstu_layers import Padding
 from .ranking import RankingEvaluation
@@ -28,6 +29,9 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         num_items: int | None = None,
     ):
         super().__init__()
+        at_least(1, embedding_dim=embedding_dim, num_layers=num_layers, num_heads=num_heads, max_seq_len=max_seq_len)
+        at_least(1, num_items=num_items)  # None: from the data
+        at_least(0, dropout=dropout, lr=lr, weight_decay=weight_decay)
         if embedding_dim % num_heads:
             raise ValueError(f"embedding_dim ({embedding_dim}) must be divisible by num_heads ({num_heads})")
         self.save_hyperparameters()
@@ -58,8 +62,14 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
             self.items.weight[0] = 0
 
     def configure_model(self) -> None:
+        data_items = getattr(self.trainer.datamodule, "num_items", None)
         if self.items is None:
-            self._make_items(self.trainer.datamodule.num_items)
+            self._make_items(data_items)
+        elif data_items is not None and self.num_items < data_items:
+            raise ValueError(
+                f"num_items={self.num_items} is smaller than the data's {data_items} items: leave it unset "
+                f"(None) to size the item table by the data"
+            )
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
