@@ -146,7 +146,7 @@ def _plan(args: argparse.Namespace, preset: str, capturable=()) -> Plan:
         cascade=_json_or_name(args.cascade, "--cascade"),
         thread_map=_json_or_name(args.thread_map, "--thread-map"),
         prefetch=not args.no_prefetch,
-        ticket_order=args.ticket_order.split(",") if args.ticket_order else None,
+        ticket_order=[name.strip() for name in args.ticket_order.split(",")] if args.ticket_order else None,
         capturable=capturable,
     )
 
@@ -161,6 +161,9 @@ def _json_or_name(text: str | None, option: str):
 
 
 def _presets(args: argparse.Namespace) -> int:
+    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        print(f"lightning-hstu: error: --plot {args.plot} is a file; give a folder (made if absent)", file=sys.stderr)
+        return 2
     capturable = GRAPH_TASKS if args.capture_graphs else ()
     names = args.names or PRESET_NAMES
     if _replaces_parts(args):

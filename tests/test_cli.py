@@ -84,6 +84,16 @@ def test_bad_plans_exit_2_with_the_plan_error(capsys):
     assert code == 2 and "--cascade is not valid JSON" in err
 
 
+def test_a_ticket_order_typed_with_spaces_and_a_plot_path_that_is_a_file(capsys, tmp_path):
+    order = list(make_plan("d6", "default").ticket_order)
+    code, spaced, err = run_cli(capsys, "presets", "-v", "--ticket-order", ", ".join(order))
+    assert code == 0, err  # refused before, its "got" list reading like the valid one
+    assert spaced == run_cli(capsys, "presets", "-v", "--ticket-order", ",".join(order))[1]
+    (tmp_path / "plots").write_text("a file of the user's")
+    code, _, err = run_cli(capsys, "presets", "--plot", str(tmp_path / "plots"))
+    assert code == 2 and "is a file; give a folder" in err  # a FileExistsError traceback before
+
+
 def test_demo_trains_the_toy_model_and_prints_per_task_timing(capsys):
     code, out, _ = run_cli(capsys, "demo", "--preset", "full_split_d3", "--steps", "6")
     assert code == 0
