@@ -70,7 +70,7 @@ class RankingReport(Callback):
 
     def on_test_end(self, trainer, pl_module) -> None:
         # on every rank: Lightning's log_dir is a broadcast from rank 0, which only rank 0 would join below
-        log_dir = trainer.log_dir if trainer.loggers else None  # without a logger: the working directory
+        log_dir = trainer.log_dir if trainer.loggers else None  # no logger, no run directory (log_dir: the cwd)
         self._report(trainer, pl_module, log_dir)
 
     def tested(self, trainer) -> str:
