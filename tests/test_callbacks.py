@@ -196,3 +196,39 @@ def test_the_inventory_pairs_gloo_launches_with_their_events_when_two_workers_st
 def trace_event(name, tid, ts, dur, cat="cpu_op", **args):
     """One complete ("X") event of a profiler's exported trace, as the inventory reads it."""
     return {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def test_fit_summary_counts_the_samples_of_each_fit_it_times(capsys):
+    """The toy batches are (items, ratings) tuples of 8 samples: counted as 2 each before (the tuple's length);
+    a second fit of the same Trainer counted the first fit's samples too, over its own time."""
+    from lightning_hstu.callbacks import FitSummary
+
+    summary = FitSummary()
+    _, trainer = fit(HSTUPipelineStrategy("default_d6"), callbacks=[summary], max_epochs=1)
+    assert "trained 96 samples in 1 epochs" in capsys.readouterr().out  # 12 batches of 8
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(trainer.lightning_module, trainer.datamodule)
+    assert "trained 96 samples in 1 epochs" in capsys.readouterr().out  # the second fit's one epoch
+
+
+def test_timing_logs_once_per_logged_step_under_gradient_accumulation():
+    from lightning.pytorch.loggers import Logger
+
+    class Steps(Logger):
+        name, version = "steps", 0
+
+        def __init__(self):
+            super().__init__()
+            self.steps = []
+
+        def log_metrics(self, metrics, step=None):
+            if any(key.startswith("timing/") for key in metrics):
+                self.steps.append(step)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    logger = Steps()
+    timing = TaskTimingCallback(log_every_n_steps=2, print_table=False)
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[timing], max_epochs=1, accumulate_grad_batches=3, logger=logger)
+    assert logger.steps == [0, 2, 4]  # 12 batches, an optimizer step every 3: [0, 0, 2, 2, 2, 4] before

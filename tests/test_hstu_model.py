@@ -419,6 +419,55 @@ def test_sasrec_refuses_an_item_table_smaller_than_the_data():
         trainer.fit(model, small_data())  # an IndexError inside the lookup before
 
 
+def test_flops_per_batch_is_none_outside_training():
+    """ThroughputMonitor reads it at validation and test batches too: it gave the last training batch's
+    forward and backward FLOPs there, the same number for every evaluation batch."""
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append(("train", module.flops_per_batch))
+
+        def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+            seen.append(("validate", module.flops_per_batch))
+
+    fit_hstu(epochs=1, callbacks=[Probe()], limit_train_batches=3, limit_val_batches=2)
+    assert [stage for stage, _ in seen] == ["train"] * 3 + ["validate"] * 2
+    assert all(flops > 0 for stage, flops in seen if stage == "train")
+    assert [flops for stage, flops in seen if stage == "validate"] == [None, None]
+
+
+def test_the_throughput_monitor_counts_histories_and_events_and_divides_by_the_peak_given():
+    from lightning.pytorch.loggers import Logger
+
+    from lightning_hstu.callbacks import HSTUThroughputMonitor
+
+    class Rows(Logger):
+        name, version = "rows", 0
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append(dict(metrics))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    logger, monitor = Rows(), HSTUThroughputMonitor(peak_flops=1e9, window_size=2)
+    fit_hstu(
+        epochs=1, callbacks=[monitor], limit_train_batches=4, limit_val_batches=0, logger=logger, log_every_n_steps=1
+    )
+    rows = [row for row in logger.rows if "train/device/mfu" in row]
+    assert rows  # MFU logged, against the peak given
+    for row in rows:
+        assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / 1e9)
+    assert max(row["train/samples"] for row in logger.rows if "train/samples" in row) == 4 * 8  # histories
+    with pytest.raises(ValueError, match="peak_flops must be greater than 0"):
+        HSTUThroughputMonitor(peak_flops=0)
+
+
 def test_a_loss_scaling_precision_is_refused_before_it_scales_the_tables_updates():
     from lightning.pytorch.plugins.precision import MixedPrecision
 

@@ -6,6 +6,7 @@ from .nvtx_ranges import NVTXCallback
 from .recommendations import RecommendationWriter
 from .report import RankingReport
 from .summary import FitSummary
+from .throughput import HSTUThroughputMonitor
 from .timing import TaskTimingCallback
 from .trace import GanttCallback, TraceCallback
 
@@ -13,6 +14,7 @@ __all__ = [
     "CollectiveInventoryCallback",
     "FitSummary",
     "GanttCallback",
+    "HSTUThroughputMonitor",
     "NVTXCallback",
     "RankingReport",
     "RecommendationWriter",

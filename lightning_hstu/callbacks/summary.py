@@ -4,6 +4,7 @@ import time
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.data import extract_batch_size
 
 
 class FitSummary(Callback):
@@ -15,12 +16,16 @@ class FitSummary(Callback):
         self.created = time.perf_counter()
         self._start: float | None = None
         self.samples = 0
+        self._first_epoch = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.perf_counter()
+        self.samples = 0  # this fit's (a second fit of the Trainer counts, and is timed, on its own)
+        self._first_epoch = trainer.current_epoch  # a resumed fit starts at its checkpoint's
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.samples += _batch_size(batch) * trainer.world_size
+        if batch is not None:  # a batch the loader gave as None trained nothing
+            self.samples += _batch_size(batch) * trainer.world_size
 
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -28,7 +33,7 @@ class FitSummary(Callback):
             return
         seconds = time.perf_counter() - self._start
         print(
-            f"\ntrained {self.samples:,} samples in {trainer.current_epoch} epochs: "
+            f"\ntrained {self.samples:,} samples in {trainer.current_epoch - self._first_epoch} epochs: "
             f"{self.samples / seconds:,.0f} samples/s; fit {seconds:.1f} s (validation included), "
             f"{time.perf_counter() - self.created:.1f} s since start"
         )
@@ -41,5 +46,7 @@ class FitSummary(Callback):
 
 
 def _batch_size(batch) -> int:
+    """An ``HSTUBatch``'s ``size``; else the first tensor's length, as Lightning's own logging takes it (the
+    length of a tuple of tensors is how many tensors it holds)."""
     size = getattr(batch, "size", None)
-    return size if isinstance(size, int) else len(batch)
+    return size if isinstance(size, int) else extract_batch_size(batch)

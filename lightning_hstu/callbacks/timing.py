@@ -36,6 +36,7 @@ class TaskTimingCallback(Callback):
         self.max_records = max_records
         self.records: deque[TaskRecord] = deque(maxlen=max_records)
         self._window: list[TaskRecord] = []
+        self._logged_step: int | None = None  # the global step logged last
         self._events = TaskEvents()
         self.device_ms: dict[str, deque[float]] = {}
         """Task -> device milliseconds of its last runs (``device_time`` on a CUDA device)."""
@@ -55,7 +56,9 @@ class TaskTimingCallback(Callback):
         records = list(getattr(trainer.strategy, "step_records", ()))
         self.records.extend(records)
         self._window.extend(records)
-        if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0 and self._window:
+        step = trainer.global_step  # under accumulate_grad_batches several batches end at one step: log it once
+        if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._logged_step and self._window:
+            self._logged_step = step
             metrics = {}
             for s in summarize(self._window, _task_order(trainer)):
                 metrics[f"timing/{s.task}/host_ms"] = s.mean_ms

@@ -399,8 +399,9 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     @property
     def flops_per_batch(self) -> int | None:
         """Model FLOPs of the last trained batch (``HSTUObjectives.training_flops``): what Lightning's
-        ``ThroughputMonitor`` reads to report MFU. Reading it waits for that batch's lengths on the host."""
-        if self._last_batch is None:
+        ``ThroughputMonitor`` reads to report MFU. Reading it waits for that batch's lengths on the host. None
+        outside training (validation, test, predict: no training step's FLOPs to report there)."""
+        if self._last_batch is None or (self._trainer is not None and not self.trainer.training):
             return None
         batch = self._last_batch
         lengths = batch.sequence_lengths().tolist()
