@@ -7,6 +7,10 @@ by its own generator, or under a DistributedSampler, does not come back to the s
 under Lightning's own loop either.)
 """
 
+import os
+import signal
+import time
+
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
@@ -104,6 +108,44 @@ def test_a_checkpoint_saved_on_an_exception_resumes_at_the_first_batch_not_train
             **{**failing, "callbacks": [*failing.get("callbacks", []), OnExceptionCheckpoint(tmp_path, "failed")]},
         )
     resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / "failed.ckpt")
+    assert trainer.global_step == 24
+    assert resumed.batches_seen == uninterrupted.batches_seen[7:]
+    assert_same_weights(resumed, uninterrupted)
+
+
+class CtrlCDuringOptimizerStep(Callback):
+    """Ctrl-C (a SIGINT to the process) while the optimizer step of batch 6 runs on an engine thread; the caller,
+    waiting at the step barrier, takes the KeyboardInterrupt before the step has returned."""
+
+    def __init__(self):
+        self.fired = False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if not self.fired and trainer.fit_loop.epoch_loop.batch_idx == 6:
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.6)  # the rest of a slow step (clipping, an all-reduce): longer than the caller's poll
+
+
+@pytest.mark.usefixtures("no_thread_left")
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_an_interrupt_during_an_optimizer_step_is_saved_with_that_batch_trained(preset, tmp_path):
+    """The step the interrupt could not stop is applied: the checkpoint saved on it counts the batch (it held
+    the weights after batch 6 with the loader before it, and the resume trained batch 6 twice)."""
+    data = dict(stateful=True)
+    uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may ignore SIGINT
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt
+            fit(
+                HSTUPipelineStrategy(preset),
+                data_kwargs=data,
+                enable_checkpointing=True,
+                callbacks=[CtrlCDuringOptimizerStep(), OnExceptionCheckpoint(tmp_path, "interrupted")],
+            )
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from then on
+    resumed, trainer = fit(HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / "interrupted.ckpt")
     assert trainer.global_step == 24
     assert resumed.batches_seen == uninterrupted.batches_seen[7:]
     assert_same_weights(resumed, uninterrupted)

@@ -101,6 +101,12 @@ class EngineEpochLoop(_TrainingEpochLoop):
                         self.on_iteration_done()
                     if self.done:
                         break
+        except BaseException:
+            # steps() has joined the engine's threads: a batch whose optimizer step they applied before the
+            # exception (a Ctrl-C while the step ran on another thread, a failure later in the same step) is
+            # trained, and a checkpoint saved on the exception must count it so
+            self._count_applied_step()
+            raise
         finally:
             self._strategy.release_threads()  # the next epoch's loader iterator starts with the cores
             self._tasks.current = None
@@ -111,6 +117,17 @@ class EngineEpochLoop(_TrainingEpochLoop):
         # loop ends (OnExceptionCheckpoint, a SIGTERM's save), which takes the loader state from before the
         # oldest batch not trained from them.
         self._batches = None
+
+    def _count_applied_step(self) -> None:
+        """What Lightning does between a batch's optimizer step and its ``on_train_batch_end`` hooks, for the
+        current batch when an exception ended the epoch after the engine had applied its step."""
+        current, progress = self._tasks.current, self.batch_progress.current
+        if current is None or not current.stepped or progress.processed >= progress.ready:
+            return
+        self.batch_progress.increment_processed()
+        self.update_lr_schedulers("step", update_plateau_schedulers=False)
+        if self._num_ready_batches_reached():
+            self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
     def _pin_threads(self, engine: Engine) -> None:
         """With ``pin_threads``: the caller's and the engine's threads on their core, from the end of the epoch's

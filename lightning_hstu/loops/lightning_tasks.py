@@ -57,6 +57,8 @@ class TrainBatch:
     skip: bool = False
     """The loader yielded None: Lightning warns and trains nothing on this batch."""
     result: ClosureResult | None = None
+    stepped: bool = False
+    """The optimizer step of this batch has been applied (its task returned)."""
     no_sync: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     """Holds DDP's no_sync from forward to the end of backward while accumulating."""
 
@@ -151,6 +153,7 @@ class LightningTasks:
             # Lightning's optimizer_step hook, precision plugin and gradient clipping run as usual; the
             # closure they call returns the loss that forward and backward already produced.
             self._automatic._optimizer_step(batch.batch_idx, lambda: result.loss)
+        batch.stepped = True
 
     def _at_optimizer_steps(self, task: PlanTask, hook):
         """The module's ``hstu_finalize_model_grads``, run only for the batches that end in an optimizer step:
