@@ -2,6 +2,7 @@
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import Logger
 
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
@@ -14,6 +15,22 @@ QUIET = dict(
     enable_model_summary=False,
     num_sanity_val_steps=0,
 )
+
+
+class RecordingLogger(Logger):
+    """A logger that keeps every ``(step, metrics)`` row it is given, in memory."""
+
+    name, version = "recording", 0
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int | None, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
 
 
 def fit(strategy, *, model_cls=ToyRecommender, model_kwargs=None, data_kwargs=None, ckpt_path=None, **trainer_kwargs):

@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 import nvtx
 import pytest
 
-from lightning_runs import fit
+from lightning_runs import RecordingLogger, fit
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
 from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
@@ -212,23 +212,8 @@ def test_fit_summary_counts_the_samples_of_each_fit_it_times(capsys):
 
 
 def test_timing_logs_once_per_logged_step_under_gradient_accumulation():
-    from lightning.pytorch.loggers import Logger
-
-    class Steps(Logger):
-        name, version = "steps", 0
-
-        def __init__(self):
-            super().__init__()
-            self.steps = []
-
-        def log_metrics(self, metrics, step=None):
-            if any(key.startswith("timing/") for key in metrics):
-                self.steps.append(step)
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
-
-    logger = Steps()
+    logger = RecordingLogger()
     timing = TaskTimingCallback(log_every_n_steps=2, print_table=False)
     fit(HSTUPipelineStrategy("default_d6"), callbacks=[timing], max_epochs=1, accumulate_grad_batches=3, logger=logger)
-    assert logger.steps == [0, 2, 4]  # 12 batches, an optimizer step every 3: [0, 0, 2, 2, 2, 4] before
+    steps = [step for step, metrics in logger.rows if any(key.startswith("timing/") for key in metrics)]
+    assert steps == [0, 2, 4]  # 12 batches, an optimizer step every 3: [0, 0, 2, 2, 2, 4] before

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
+from lightning_runs import QUIET
 from ranks import launch_env
 from small_hstu import SMALL_MODEL, small_data
 
@@ -337,13 +338,6 @@ def test_a_checkpoint_of_a_model_of_another_configuration_is_refused(uninterrupt
     whatever they mean: test metrics came out of a model that was never trained (NDCG@10 0.23 against 0.27)."""
     out, _ = uninterrupted
     model = HSTURecommender(**{**SMALL_MODEL, **settings})
-    trainer = pl.Trainer(
-        strategy=HSTUPipelineStrategy("default_d6"),
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=1, **QUIET)
     with pytest.raises(CheckpointError, match=named):
         trainer.test(model, small_data(), ckpt_path=str(out / "step=6.ckpt"), verbose=False)

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from conftest import engine_threads
-from lightning_runs import QUIET
+from lightning_runs import QUIET, RecordingLogger
 from ranks import launch_env, run_on_ranks
 from small_hstu import SMALL_MODEL, small_data
 
@@ -438,32 +438,17 @@ def test_flops_per_batch_is_none_outside_training():
 
 
 def test_the_throughput_monitor_counts_histories_and_events_and_divides_by_the_peak_given():
-    from lightning.pytorch.loggers import Logger
-
     from lightning_hstu.callbacks import HSTUThroughputMonitor
 
-    class Rows(Logger):
-        name, version = "rows", 0
-
-        def __init__(self):
-            super().__init__()
-            self.rows = []
-
-        def log_metrics(self, metrics, step=None):
-            self.rows.append(dict(metrics))
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
-
-    logger, monitor = Rows(), HSTUThroughputMonitor(peak_flops=1e9, window_size=2)
+    logger, monitor = RecordingLogger(), HSTUThroughputMonitor(peak_flops=1e9, window_size=2)
     fit_hstu(
         epochs=1, callbacks=[monitor], limit_train_batches=4, limit_val_batches=0, logger=logger, log_every_n_steps=1
     )
-    rows = [row for row in logger.rows if "train/device/mfu" in row]
+    rows = [row for _, row in logger.rows if "train/device/mfu" in row]
     assert rows  # MFU logged, against the peak given
     for row in rows:
         assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / 1e9)
-    assert max(row["train/samples"] for row in logger.rows if "train/samples" in row) == 4 * 8  # histories
+    assert max(row["train/samples"] for _, row in logger.rows if "train/samples" in row) == 4 * 8  # histories
     with pytest.raises(ValueError, match="peak_flops must be greater than 0"):
         HSTUThroughputMonitor(peak_flops=0)
 

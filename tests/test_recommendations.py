@@ -21,10 +21,13 @@ from lightning_hstu.models.hstu import HSTURecommender
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def _trained(tmp_path, writer, *callbacks, accelerator="cpu", max_steps=3, **data_kwargs):
+def _trained(tmp_path, writer, *callbacks, accelerator="cpu", max_steps=3, data=None, **data_kwargs):
+    """The small model trained ``max_steps`` on ``data`` (default: the small synthetic histories of 40 users,
+    with ``data_kwargs``) under default_d6, ``writer`` and ``callbacks`` on its Trainer."""
     pl.seed_everything(0, verbose=False)
     model_kwargs, make_data = model_and_data(accelerator)
-    model, data = HSTURecommender(**model_kwargs), make_data(**{"num_users": 40, **data_kwargs})
+    model = HSTURecommender(**model_kwargs)
+    data = data if data is not None else make_data(**{"num_users": 40, **data_kwargs})
     options = {**QUIET, "logger": pl.loggers.CSVLogger(tmp_path), "enable_checkpointing": bool(callbacks)}
     trainer = pl.Trainer(
         strategy=HSTUPipelineStrategy("default_d6"),
@@ -90,19 +93,10 @@ def test_predict_writes_the_files_user_and_movie_ids(tmp_path):
         for t, (movie, rating) in enumerate(zip(torch.randperm(40, generator=gen)[:8], torch.randint(0, 5, (8,))))
     ]
     (root / "u.data").write_text("".join(lines))
-    pl.seed_everything(0, verbose=False)
-    model, data = HSTURecommender(**model_and_data("cpu")[0]), MovieLens(root=str(root), batch_size=4, negatives=4)
     writer = RecommendationWriter(top_k=5)
-    options = {**QUIET, "logger": pl.loggers.CSVLogger(tmp_path)}
-    trainer = pl.Trainer(
-        strategy=HSTUPipelineStrategy("default_d6"),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        callbacks=[writer],
-        **options,
+    model, data, trainer = _trained(
+        tmp_path, writer, max_steps=2, data=MovieLens(root=str(root), batch_size=4, negatives=4)
     )
-    trainer.fit(model, data)
     trainer.predict(model, datamodule=data)
     got = _read(writer.path)
     assert sorted(got) == [10 * user for user in range(1, 13)]

@@ -97,13 +97,14 @@ class RankingReport(Callback):
             return
         data = trainer.datamodule
         name = self.name or _model_name(pl_module)
+        weights = self.tested(trainer)
         run_dir = Path(log_dir) if log_dir else None
         result = {
             "model": name,
             "data": data.description,
             "metrics": metrics,
             "best_epoch": self.best_epoch,
-            "weights": self.tested(trainer),
+            "weights": weights,
             "monitor": self.monitor,
             "best_score": self.best_score,
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -115,7 +116,7 @@ class RankingReport(Callback):
             *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
             ("most popular", data.most_popular("test"), ""),
         ]
-        print(format_report(data.description, rows, self.tested(trainer)))
+        print(format_report(data.description, rows, weights))
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RESULTS_FILE).write_text(json.dumps(result, indent=2))

@@ -96,7 +96,7 @@ class MovieLens(HistoryDataModule):
     def load(self) -> list[History]:
         rows = read_ratings(self.dataset, self.root)
         self.user_ids, self.item_ids = renumbering(rows)
-        return histories_from(rows, FORMATS[self.dataset].half_stars)
+        return histories_from(rows, FORMATS[self.dataset].half_stars, (self.user_ids, self.item_ids))
 
     @property
     def description(self) -> str:
@@ -180,10 +180,15 @@ def renumbering(rows: list[tuple[int, int, float, int]]) -> tuple[tuple[int, ...
     return (0, *sorted({r[0] for r in rows})), (0, *sorted({r[1] for r in rows}))
 
 
-def histories_from(rows: list[tuple[int, int, float, int]], half_stars: bool = False) -> list[History]:
+def histories_from(
+    rows: list[tuple[int, int, float, int]],
+    half_stars: bool = False,
+    ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> list[History]:
     """Group ratings by user in time order; ids renumbered from 1 (0 means no item) as ``renumbering`` lists
-    them; rating -> action class (``half_stars``: 0.5 -> 0 ... 5.0 -> 9, else 1 -> 0 ... 5 -> 4)."""
-    user_ids, item_ids = renumbering(rows)
+    them (``ids``: its result, where the caller has it already); rating -> action class (``half_stars``:
+    0.5 -> 0 ... 5.0 -> 9, else 1 -> 0 ... 5 -> 4)."""
+    user_ids, item_ids = ids if ids is not None else renumbering(rows)
     users = {user: number for number, user in enumerate(user_ids) if number}
     items = {item: number for number, item in enumerate(item_ids) if number}
     events = defaultdict(list)

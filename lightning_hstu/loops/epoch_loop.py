@@ -124,6 +124,11 @@ class EngineEpochLoop(_TrainingEpochLoop):
         current, progress = self._tasks.current, self.batch_progress.current
         if current is None or not current.stepped or progress.processed >= progress.ready:
             return
+        self._processed()
+
+    def _processed(self) -> None:
+        """Lightning's count of a processed batch and its LR schedulers' steps (epoch-interval ones at the
+        epoch's last batch)."""
         self.batch_progress.increment_processed()
         self.update_lr_schedulers("step", update_plateau_schedulers=False)
         if self._num_ready_batches_reached():
@@ -220,9 +225,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         call._call_strategy_hook(trainer, "on_train_batch_start", batch, batch_idx)
         if response == -1:  # the module asks to skip the rest of the epoch
             self.batch_progress.increment_by(0, is_last_batch=True)
-            self.batch_progress.increment_processed()
-            self.update_lr_schedulers("step", update_plateau_schedulers=False)
-            self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+            self._processed()  # the last batch: the epoch-interval schedulers step too
             return False
         self.batch_progress.increment_started()
         kwargs = self._build_kwargs(OrderedDict(), batch, batch_idx)
@@ -255,10 +258,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         current = self._tasks.current
         closure = current.result
         outputs = {} if closure is None or closure.loss is None else closure.asdict()
-        self.batch_progress.increment_processed()
-        self.update_lr_schedulers("step", update_plateau_schedulers=False)
-        if self._num_ready_batches_reached():
-            self.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+        self._processed()
         batch = current.kwargs.get("batch")
         if current.skip:  # the loader gave None: Lightning calls the hooks with no outputs and no batch too
             outputs = None

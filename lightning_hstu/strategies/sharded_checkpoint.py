@@ -220,11 +220,12 @@ def load(
             f"not produce (its checkpoint has: {', '.join(sorted(current))})"
         )
     sharded = {key: current[key] for key in keys}
+    metadata = _read_metadata(path, safe)
     if strict and "state_dict" in sharded:
         # DCP fills the entries the running module has and ignores the others: a checkpoint of a deeper
         # model (more layers, a ranking head) would load silently, its extra weights dropped
         expected = set(_flat_keys(sharded["state_dict"], "state_dict"))
-        saved = [k for k in _read_metadata(path, safe).state_dict_metadata if k.startswith("state_dict.")]
+        saved = [k for k in metadata.state_dict_metadata if k.startswith("state_dict.")]
         unexpected = sorted(k.removeprefix("state_dict.") for k in saved if k not in expected)
         if unexpected:
             raise CheckpointError(
@@ -240,7 +241,7 @@ def load(
         )
     else:
         sharded[SAVE_ID] = torch.zeros(16, dtype=torch.uint8)
-    load_shards(sharded, path, safe)
+    load_shards(sharded, path, safe, metadata)
     if save_id is not None:
         found = bytes(sharded.pop(SAVE_ID).tolist()).hex()
         if found != save_id:
@@ -253,11 +254,12 @@ def load(
     return checkpoint
 
 
-def load_shards(state: dict[str, Any], path: str | Path, safe: bool = True) -> None:
+def load_shards(state: dict[str, Any], path: str | Path, safe: bool = True, metadata: Any = None) -> None:
     """DCP's load of ``state`` (in place) from the checkpoint directory ``path``; ``safe`` runs no code
-    from it: metadata through the restricted unpickler, non-tensor entries through weights_only loads."""
+    from it: metadata through the restricted unpickler, non-tensor entries through weights_only loads.
+    ``metadata``: the directory's, where the caller has read it already."""
     path = Path(path)
-    metadata = _read_metadata(path, safe)
+    metadata = metadata if metadata is not None else _read_metadata(path, safe)
     if SAVE_ID in state and SAVE_ID not in metadata.state_dict_metadata:
         raise CheckpointError(
             f"checkpoint {path} mixes two saves: {LIGHTNING_FILE} records a save id, its "
