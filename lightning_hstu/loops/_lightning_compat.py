@@ -41,6 +41,8 @@ MIRRORED = {
     "lightning.pytorch.trainer.connectors.logger_connector.result:_ResultCollection.metrics": "253a052f55f98a769c577e7fc2edb0816c60842688186229dc12bee7cdc42f49",
     "lightning.pytorch.trainer.trainer:Trainer._active_loop.fget": "d1a5c828d67439ea8c76e354b7ed76e79a575e181e74cfee2e7f67c481d369b0",
     "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance": "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
+    "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers": "cd4b642fd86bfc6f4168728e74aff715aa7aad92efa61a0d6a25f21a42f955ab",
+    "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn": "5f73424dfc7ee25a516a0b4cc29e5872550ea2f9b90490f508e6493364d4665b",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""
 

@@ -236,13 +236,14 @@ class EngineEpochLoop(_TrainingEpochLoop):
 
     @override
     def _broadcast_sigterm_tensor(self) -> None:
-        """Lightning's per-batch check whether rank 0 received SIGTERM, with Lightning's decision, but on the
-        strategy's gloo agreement group: Lightning broadcasts a tensor on the device over the default group and
-        reads it back with ``.item()``, which on a GPU waits for every collective queued before it on that
-        group's NCCL stream (the steps' all-to-alls and all-reduces) before the next step can be queued."""
+        """Lightning's per-batch SIGTERM check, decided by every rank together: all ranks stop here when any
+        rank received SIGTERM (``strategies/sigterm.py``). Lightning broadcasts rank 0's flag as a tensor on the
+        device over the default group and reads it back with ``.item()``, which on a GPU waits for every
+        collective queued before it on that group's NCCL stream (the steps' all-to-alls and all-reduces)
+        before the next step can be queued; this runs on the strategy's gloo agreement group."""
         try:
-            stop = self._strategy.rank_zero_flag(bool(getattr(self.trainer, "received_sigterm", False)))
-        except Exception:  # as Lightning: a failed broadcast does not stop training
+            stop = self._strategy.sigterm.stop(self._strategy.any_rank)
+        except Exception:  # as Lightning: a failed check does not stop training
             stop = False
         if stop:
             with contextlib.suppress(Exception):

@@ -20,7 +20,7 @@ from ..hstu.sparse import TABLES_AHEAD
 from ..hstu.tasks import GRAPH_TASKS
 from ..loops.errors import CheckpointError
 from ..plan import PlanError
-from . import process_groups, sharded_checkpoint
+from . import process_groups, sharded_checkpoint, sigterm
 
 
 def unknown_strategy_error(name: str) -> PlanError:
@@ -135,6 +135,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._failed = False  # the stage ended by an exception: its groups are left as they are
         self.thread_pin: ThreadPin | None = None
         """While fitting with ``pin_threads``: what places the threads (the engine's epoch loop pins them)."""
+        self.sigterm: sigterm.SigtermNotice | None = None
+        """The trainer's SIGTERM handler from ``setup`` on (``strategies/sigterm.py``)."""
 
     @classmethod
     @override
@@ -150,7 +152,9 @@ class HSTUPipelineStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         _keep_shards_local(trainer.lightning_module)
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING or not self.use_engine:
+        engine_fit = trainer.state.fn == TrainerFn.FITTING and self.use_engine
+        self.sigterm = sigterm.install(trainer, agreed=engine_fit and self.world_size > 1)
+        if not engine_fit:
             return
         module = trainer.lightning_module
         if not module.automatic_optimization:
@@ -243,7 +247,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         super().setup_environment()
         self._failed = False
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # for all_ranks() and rank_zero_flag(), and for all_ranks_have_batch()
+            # for all_ranks() and any_rank(), and for all_ranks_have_batch()
             self._data_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.AGREEMENT_GROUP
             )
@@ -279,14 +283,10 @@ class HSTUPipelineStrategy(DDPStrategy):
         thread asks it while the step's tasks and the caller may use the first."""
         return _all_ranks_on(self._loader_group, flag)
 
-    def rank_zero_flag(self, flag: bool) -> bool:
-        """Rank 0's ``flag``, on every rank (this rank's own on a single process): a broadcast on the same gloo
-        group as ``all_ranks``, between steps (Lightning's per-batch "did rank 0 get SIGTERM")."""
-        if self._data_group is None:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.broadcast(value, src=0, group=self._data_group)
-        return bool(value.item())
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank (this rank's flag on a single process): "a rank received
+        SIGTERM", between steps. On the same gloo group as ``all_ranks``."""
+        return not _all_ranks_on(self._data_group, not flag)
 
     # ----- checkpoints: a directory through torch.distributed.checkpoint when tables are sharded ----------
 

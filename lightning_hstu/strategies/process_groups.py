@@ -25,7 +25,7 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 AGREEMENT_GROUP = "hstu_rank_agreement"
 """The description of the gloo group on which the ranks agree during a step (every rank's loss is finite)
-and between steps (rank 0's SIGTERM)."""
+and between steps (whether a rank received SIGTERM)."""
 
 LOADER_GROUP = "hstu_loader_agreement"
 """The description of the gloo group on which the ranks agree, per batch, that each has one: the loader

@@ -1,5 +1,5 @@
 """Two gloo ranks train the toy recommender briefly under the engine; at the end of training each asks the
-epoch loop's per-batch SIGTERM check, with each combination of the ranks' ``received_sigterm``; run by
+epoch loop's per-batch SIGTERM check, with each combination of the ranks' "received SIGTERM"; run by
 test_strategy_ranks.py.
 
     python sigterm_two_ranks.py OUT_DIR
@@ -33,12 +33,14 @@ class AskEachCombination(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         rank, loop = trainer.global_rank, trainer.fit_loop.epoch_loop
         for flags in ((False, False), (False, True), (True, False), (True, True)):
-            trainer._signal_connector.received_sigterm = flags[rank]
+            trainer.strategy.sigterm.received = flags[rank]
+            trainer._signal_connector.received_sigterm = False
             try:
                 loop._broadcast_sigterm_tensor()
                 self.raised[flags] = False
             except SIGTERMException:
                 self.raised[flags] = True
+        trainer.strategy.sigterm.received = False
         trainer._signal_connector.received_sigterm = False
 
 
