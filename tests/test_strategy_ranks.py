@@ -51,17 +51,24 @@ def test_two_ranks_equal_lightnings_ddp(strategy, lightning_ddp, tmp_path):
 @pytest.mark.parametrize("data", ["uneven", "uneven_sized"])
 def test_a_rank_with_fewer_batches_ends_the_epoch_for_all(data, tmp_path):
     """Loaders without a length (rank 0 has 10 batches, rank 1 has 6) and with one (rank 0 has 6, rank 1 has
-    10: the short rank reaches its own batch count and must still answer the others' "I have a batch")."""
-    ranks = fit_two_ranks("hstu_full_split_d6", tmp_path / "out", data=data)
+    10: the short rank reaches its own batch count and must still answer the others' "I have a batch"). The
+    fits validate twice an epoch: every rank at the same steps (with lengths of their own, the ranks placed
+    validation by their own lengths, at different batches, and hung waiting for each other)."""
+    ranks = fit_two_ranks("hstu_full_split_d6", tmp_path / "out", data=data, options=["--validate"])
     for rank in ranks:
         assert rank["global_step"] == 2 * 6  # both stop at the short rank's 6 batches, each epoch
         assert [idx for idx, _ in rank["seen"]] == list(range(6)) * 2
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(ranks[1]["weights"][name], value), name
+    assert ranks[0]["validated_at"] == ranks[1]["validated_at"] == [3, 6, 9, 12]
     long, short = (0, 1) if data == "uneven" else (1, 0)
     assert ranks[short]["untrained_warnings"] == []
     assert len(ranks[long]["untrained_warnings"]) == 2  # once per epoch, on the rank whose batches go untrained
-    assert ranks[long]["untrained_warnings"][0].startswith(f"rank {long}: another rank ran out of training data")
+    first = ranks[long]["untrained_warnings"][0]
+    if data == "uneven":
+        assert first.startswith(f"rank {long}: another rank ran out of training data first")
+    else:
+        assert first.startswith(f"rank {long}: another rank has 6 training batches this epoch, this rank 10")
 
 
 @pytest.mark.parametrize(("preset", "signalled"), [("legacy_none", 1), ("default_d6", 1), ("default_d6", 0)])

@@ -9,6 +9,7 @@ after step ``k`` batch ``k`` is finished (``processed``, LR schedulers, ``on_tra
 """
 
 import contextlib
+import warnings
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -51,12 +52,15 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._saved_world_size: int | None = None  # of the checkpoint this run resumes
         self._profiling = False  # Lightning's "run_training_batch" profiler section is open
         self._takes_batch_idx: tuple[Any, bool] | None = None  # (training_step's function, takes batch_idx)
+        self._length_of: Any = None  # the train loaders whose length on this rank is _own_length
+        self._own_length: int | float = float("inf")
 
     # ----- the epoch -------------------------------------------------------------------------------
 
     @override
     def run(self, data_fetcher: _DataFetcher) -> None:
         self._batches = None  # an epoch that an exception ended left its batches for a checkpoint; not this one's
+        self._agree_epoch_length()
         self.reset()
         self.on_run_start(data_fetcher)
         if self._resume_validation(data_fetcher) or self.done:
@@ -117,6 +121,33 @@ class EngineEpochLoop(_TrainingEpochLoop):
         # loop ends (OnExceptionCheckpoint, a SIGTERM's save), which takes the loader state from before the
         # oldest batch not trained from them.
         self._batches = None
+
+    def _agree_epoch_length(self) -> None:
+        """On several ranks whose loaders have lengths, every rank's epoch is the shortest rank's: the ranks
+        end the epoch at the same batch anyway (``EpochBatches``), and Lightning places its validation by the
+        epoch's length (``val_check_interval`` as a fraction, and at the epoch's last batch), so ranks that
+        kept their own lengths validated at different batches and waited for each other in different
+        collectives. The rank whose batches go untrained warns."""
+        trainer = self.trainer
+        loader = trainer.fit_loop._combined_loader
+        if loader is not self._length_of:  # set up anew (the first epoch, a reload): its length is this rank's
+            self._length_of, self._own_length = loader, trainer.num_training_batches
+        own = self._own_length
+        least = self._strategy.least_over_ranks(own)
+        if least >= own:
+            return
+        least = int(least)  # a length: only the loaders without one have inf
+        trainer.fit_loop.max_batches = least
+        interval = trainer.val_check_interval
+        if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+            trainer.val_check_batch = max(1, int(least * interval))  # as Lightning's _FitLoop.setup_data
+        mine = "no length" if own == float("inf") else f"{own}"
+        warnings.warn(
+            f"rank {trainer.global_rank}: another rank has {least} training batches this epoch, this rank "
+            f"{mine}; every rank ends the epoch at batch {least}, so the rest of this rank's batches are not "
+            "trained this epoch",
+            stacklevel=2,
+        )
 
     def _count_applied_step(self) -> None:
         """What Lightning does between a batch's optimizer step and its ``on_train_batch_end`` hooks, for the

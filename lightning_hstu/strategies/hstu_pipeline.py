@@ -283,6 +283,15 @@ class HSTUPipelineStrategy(DDPStrategy):
         thread asks it while the step's tasks and the caller may use the first."""
         return _all_ranks_on(self._loader_group, flag)
 
+    def least_over_ranks(self, value: float) -> float:
+        """The smallest of the ranks' ``value`` (``inf`` allowed: a loader without a length), on every rank;
+        this rank's on a single process. Between epochs, on the same gloo group as ``all_ranks``."""
+        if self._data_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._data_group)
+        return tensor.item()
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is True on any rank (this rank's flag on a single process): "a rank received
         SIGTERM", between steps. On the same gloo group as ``all_ranks``."""

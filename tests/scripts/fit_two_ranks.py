@@ -3,13 +3,14 @@ run by test_strategy_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
     python fit_two_ranks.py OUT_DIR STRATEGY [STRATEGY ...] [--data {even,uneven,uneven_sized}]
         [--accelerator {cpu,gpu}]
-        [--pin-threads CORE,CORE]
+        [--pin-threads CORE,CORE] [--validate]
 
 Lightning's launcher starts the second rank by running this same command again (with ``--accelerator gpu``
 rank R trains on CUDA device R, over NCCL). After each fit every rank saves its weights, the batches it
 trained, its global step and the warnings about untrained batches to OUT_DIR/<STRATEGY>.rank<R>.pt. With
 ``--pin-threads`` an ``hstu_<preset>`` strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and
-each training step's cores are saved too.
+each training step's cores are saved too. With ``--validate`` the fits validate twice an epoch
+(``val_check_interval=0.5``; every 3 batches for ``uneven``), and each rank saves the global steps at which it validated.
 """
 
 import argparse
@@ -64,9 +65,22 @@ class CoreRecording(ToyRecommender):
         return super().training_step(batch, batch_idx)
 
 
-def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: list[int] | None) -> None:
+class ValidationSteps(pl.Callback):
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_validation_start(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+def fit(
+    strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: list[int] | None, validate: bool
+) -> None:
     pl.seed_everything(0, verbose=False)
     model = ToyRecommender() if pin_threads is None else CoreRecording()
+    validated = ValidationSteps()
+    interval = 3 if data == "uneven" else 0.5  # a loader without a length takes a number of batches
+    validation = {"val_check_interval": interval, "limit_val_batches": 2} if validate else {"limit_val_batches": 0}
     trainer = pl.Trainer(
         strategy=strategy
         if pin_threads is None
@@ -75,18 +89,20 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: l
         devices=2,
         max_epochs=2,
         **QUIET,
-        limit_val_batches=0,
+        **validation,
+        callbacks=[validated],
         use_distributed_sampler=data == "even",  # the uneven loaders are each rank's own
     )
+    val = ToyDataModule(num_samples=128).val_dataloader() if validate else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if data == "uneven":
-            trainer.fit(model, train_dataloaders=DataLoader(UnevenBatches(), batch_size=None))
+            trainer.fit(model, DataLoader(UnevenBatches(), batch_size=None), val)
         elif data == "uneven_sized":
-            trainer.fit(model, train_dataloaders=DataLoader(UnevenSizedBatches(), batch_size=None))
+            trainer.fit(model, DataLoader(UnevenSizedBatches(), batch_size=None), val)
         else:
             trainer.fit(model, ToyDataModule(num_samples=128))
-    untrained = [str(w.message) for w in caught if "ran out of training data" in str(w.message)]
+    untrained = [str(w.message) for w in caught if "not trained this epoch" in str(w.message)]
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups left after fit
     torch.save(
@@ -97,6 +113,7 @@ def fit(strategy: str, out_dir: str, data: str, accelerator: str, pin_threads: l
             "groups": groups,
             "step_cores": getattr(model, "step_cores", None),
             "untrained_warnings": untrained,
+            "validated_at": validated.steps,
         },
         f"{out_dir}/{strategy}.rank{trainer.global_rank}.pt",
     )
@@ -109,9 +126,10 @@ def main() -> None:
     parser.add_argument("--data", choices=("even", "uneven", "uneven_sized"), default="even")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--pin-threads", type=lambda cores: [int(core) for core in cores.split(",")])
+    parser.add_argument("--validate", action="store_true")
     args = parser.parse_args()
     for strategy in args.strategies:
-        fit(strategy, args.out_dir, args.data, args.accelerator, args.pin_threads)
+        fit(strategy, args.out_dir, args.data, args.accelerator, args.pin_threads, args.validate)
 
 
 if __name__ == "__main__":
