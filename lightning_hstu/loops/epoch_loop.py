@@ -9,8 +9,8 @@ after step ``k`` batch ``k`` is finished (``processed``, LR schedulers, ``on_tra
 """
 
 import contextlib
-import warnings
 import threading
+import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 

@@ -10,7 +10,8 @@ rank R trains on CUDA device R, over NCCL). After each fit every rank saves its 
 trained, its global step and the warnings about untrained batches to OUT_DIR/<STRATEGY>.rank<R>.pt. With
 ``--pin-threads`` an ``hstu_<preset>`` strategy is ``HSTUPipelineStrategy(preset, pin_threads=[...])``, and
 each training step's cores are saved too. With ``--validate`` the fits validate twice an epoch
-(``val_check_interval=0.5``; every 3 batches for ``uneven``), and each rank saves the global steps at which it validated.
+(``val_check_interval=0.5``; every 3 batches for ``uneven``), and each rank saves the global steps at which
+it validated.
 """
 
 import argparse
