@@ -17,7 +17,7 @@ from tracing import TracingWorkload
 
 from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, PlanError, StepTimeout, get_plan
 from lightning_hstu.data.toy import ToyDataModule
-from lightning_hstu.engine import LoaderTimeout
+from lightning_hstu.engine import EngineError, LoaderTimeout
 from lightning_hstu.loops import CheckpointError
 from lightning_hstu.models.toy import ToyRecommender
 
@@ -36,6 +36,25 @@ def test_a_bad_step_timeout_is_refused_where_it_is_given(bad):
     plan = get_plan("default_d3")
     with pytest.raises(PlanError, match=f"step_timeout must be {valid}; got {bad!r}"):
         Engine(plan, TracingWorkload(plan).bodies(), step_timeout=bad)
+
+
+@pytest.mark.parametrize("bad", [-5, float("nan"), "10", True])
+def test_a_bad_join_timeout_is_refused_where_it_is_given(bad):
+    """Before, -5 and nan left the engine's threads running after close() (with a warning), and "10" failed
+    inside close(), after the whole run."""
+    plan = get_plan("default_d3")
+    with pytest.raises(EngineError, match=f"join_timeout must be a number of seconds >= 0; got {bad!r}"):
+        Engine(plan, TracingWorkload(plan).bodies(), join_timeout=bad)
+
+
+@pytest.mark.parametrize(("option", "meant"), [("step_timout", "step_timeout"), ("capture_graph", "capture_graphs")])
+def test_a_misspelt_strategy_option_is_refused_naming_the_option_meant(option, meant):
+    """Before, DDPStrategy kept the name for torch DDP, which is not built on one process or around a module
+    that finalises its own gradients: the option was ignored (no step timeout, no graphs)."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'; did you mean '{meant}'"):
+        HSTUPipelineStrategy("default_d6", **{option: 1.0})
+    strategy = HSTUPipelineStrategy("default_d6", find_unused_parameters=True, process_group_backend="gloo")
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}  # DDP's own options still pass through
 
 
 # ----- step_timeout: applied under every preset, legacy_none included -----------------------------------

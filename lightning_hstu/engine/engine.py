@@ -348,7 +348,9 @@ class Engine:
         self._thread_of = {t.name: t.thread for t in plan.tasks}
         self._wait_producers = frozenset(p for p, _ in plan.wait_edges)
         self._streams = make_streams(device)
-        self._join_timeout = join_timeout
+        if isinstance(join_timeout, bool) or not isinstance(join_timeout, numbers.Real) or not join_timeout >= 0:
+            raise EngineError(f"join_timeout must be a number of seconds >= 0; got {join_timeout!r}")
+        self._join_timeout = float(join_timeout)
         self._workers: dict[str, threading.Thread] = {}
         self._loader: _LoaderThread | None = None
         self._current: tuple[int, _Step | None] = (0, None)  # the step running (or last run) and its state

@@ -1,6 +1,8 @@
 """HSTUPipelineStrategy: Lightning's DDP strategy whose training epoch loop is the engine."""
 
 import contextlib
+import difflib
+import inspect
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -82,7 +84,8 @@ class HSTUPipelineStrategy(DDPStrategy):
             None leaves threads where the operating system puts them). Their Python hands the GIL over
             within one core's caches (measured in BENCHMARKS.md, "The step's threads on one core"). For GPU
             training: on a CPU device the step's compute runs on these threads too.
-        **ddp_kwargs: passed to Lightning's ``DDPStrategy``.
+        **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (its own arguments, and torch
+            ``DistributedDataParallel``'s, which it passes on); any other name raises ``TypeError``.
 
     A bad preset, thread map, lookahead or step_timeout raises ``PlanError`` here, i.e. at ``Trainer(...)``;
     so does an unknown ``strategy="hstu_<name>"``.
@@ -103,6 +106,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         pin_threads: int | list[int] | None = None,
         **ddp_kwargs: Any,
     ):
+        _check_ddp_kwargs(ddp_kwargs)
         step_timeout = check_step_timeout(step_timeout)
         self.pin_threads = check_pin_threads(pin_threads)
         if self.pin_threads is not None and not engine:
@@ -464,6 +468,31 @@ def _sharded_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     return tuple(f"{name}." for name, sub in module.named_modules() if isinstance(sub, DistributedModelParallel))
+
+
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
+    """A name neither Lightning's ``DDPStrategy`` nor torch's ``DistributedDataParallel`` takes raises here:
+    ``DDPStrategy`` keeps unknown names for ``DistributedDataParallel``, which the strategy does not build on
+    one process or around a module that finalises its own gradients, so a misspelt option went unnoticed."""
+    own = [name for name in inspect.signature(HSTUPipelineStrategy.__init__).parameters if name not in _NOT_OPTIONS]
+    ddp = [name for name in inspect.signature(DDPStrategy.__init__).parameters if name not in _NOT_OPTIONS]
+    wrapper = [
+        name
+        for name in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+        if name not in ("self", "module")
+    ]
+    for name in ddp_kwargs:
+        if name in ddp or name in wrapper:
+            continue
+        close = difflib.get_close_matches(name, own + ddp + wrapper, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(
+            f"HSTUPipelineStrategy got an unexpected keyword argument {name!r}{hint} Its own are {', '.join(own)}; "
+            "it also takes the arguments of Lightning's DDPStrategy and of torch's DistributedDataParallel"
+        )
+
+
+_NOT_OPTIONS = ("self", "ddp_kwargs", "kwargs")
 
 
 def _all_ranks_on(group: Any, flag: bool) -> bool:
