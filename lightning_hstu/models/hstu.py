@@ -472,9 +472,12 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         return with_catalogue(features, self.num_items + 1) if self.objectives.retrieval == "full" else features
 
     def score_items(self, batch: HSTUBatch) -> torch.Tensor:
-        """[B, num_items + 1] cosine scores of every item for the next event of each history."""
+        """[B, num_items + 1] cosine scores of every item for the next event of each history, in fp32 under
+        any precision (under bf16 autocast the product rounded them to steps of 2^-8 near 1, and the items
+        tied with the held-out one counted above it: lower metrics for the same weights)."""
         last = self.objectives.last_states(batch, self.embeddings(sparse_features(batch)))
-        return F.normalize(last, dim=-1) @ F.normalize(self.all_item_embeddings(), dim=-1).T
+        with torch.autocast(last.device.type, enabled=False):
+            return F.normalize(last.float(), dim=-1) @ F.normalize(self.all_item_embeddings().float(), dim=-1).T
 
     def evaluation_weights(self) -> list[torch.Tensor]:
         """The dense parameters and this rank's table shards: copying into them restores the model."""

@@ -102,9 +102,11 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         return loss
 
     def score_items(self, batch: HSTUBatch) -> torch.Tensor:
+        """Scores in fp32 under any precision (bf16's rounding would tie items with the held-out one)."""
         hidden, mask = self.encode(batch)
         last = hidden[torch.arange(len(mask), device=mask.device), mask.sum(1) - 1]
-        return last @ self.items.weight.T
+        with torch.autocast(last.device.type, enabled=False):
+            return last.float() @ self.items.weight.float().T
 
     def evaluation_weights(self) -> list[torch.Tensor]:
         return list(self.parameters())
