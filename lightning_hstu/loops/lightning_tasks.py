@@ -1,11 +1,12 @@
 """Task bodies that do what Lightning's automatic optimization does, cut at the engine's task boundaries.
 
-Lightning runs zero_grad, training_step and backward inside a closure it hands to ``optimizer.step``.
+Lightning runs training_step, zero_grad and backward inside a closure it hands to ``optimizer.step``.
 Here they are separate tasks built from Lightning's own pieces (``_make_zero_grad_fn``,
 ``_training_step``, ``_make_backward_fn``, ``_optimizer_step``), and ``optimizer_step`` gets a closure
 that returns the loss already computed. The hooks therefore run in this order: on_before_zero_grad,
 optimizer_zero_grad, training_step, backward hooks, optimizer_step, on_before_optimizer_step, gradient
-clipping, step; weights come out the same as under Lightning's loop.
+clipping, step; weights come out the same as under Lightning's loop, unless ``training_step`` reads the
+parameters' gradients (Lightning's still holds the previous step's there; here they are cleared).
 
 Tasks a plain LightningModule has nothing for (the shuffle, TorchRec input dist, prefetch, global token
 count, gradient finalisation, watchdog) get a body generated from their definition, which passes the batch
