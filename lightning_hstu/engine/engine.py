@@ -457,8 +457,10 @@ class Engine:
         The batches are numbered from ``start`` (a run that resumes an epoch numbers its batches as the
         epoch does); step ``k`` trains batch ``k``.
 
-        ``before_step(k)`` runs on the caller's thread once step ``k``'s batch is in the ring and before
-        any of its tasks start (``slots(k)`` shows that batch then); returning False ends the run there.
+        ``before_step(k)`` runs on the caller's thread before any task of step ``k`` starts, for every step:
+        the fill steps too (``k`` from ``start - depth + 1`` to ``start - 1``: no batch has reached lookahead 0
+        yet, and ``slots(k)`` of such a ``k`` raises), then once step ``k``'s batch is in the ring
+        (``slots(k)`` shows it); returning False ends the run there.
         Stopping early (``max_steps``) leaves the engine usable; the batches already pulled into the ring
         are dropped. A failure closes the engine and raises ``TaskError``/``StepTimeout`` (``LoaderTimeout``
         when the loader gave no batch in time; ``source`` names the loader there, by default the iterable's
