@@ -33,12 +33,15 @@ class History:
     items: tuple[int, ...]
     actions: tuple[int, ...]
     times: tuple[int, ...]
+    earlier: tuple[int, ...] = ()
+    """The items of the events ``last`` cut off before these (the user has rated them too)."""
 
     def last(self, n: int) -> "History":
-        return History(self.user, self.items[-n:], self.actions[-n:], self.times[-n:])
+        cut = self.items[: max(len(self.items) - n, 0)]
+        return History(self.user, self.items[-n:], self.actions[-n:], self.times[-n:], self.earlier + cut)
 
     def without_last(self, n: int = 1) -> "History":
-        return History(self.user, self.items[:-n], self.actions[:-n], self.times[:-n])
+        return History(self.user, self.items[:-n], self.actions[:-n], self.times[:-n], self.earlier)
 
 
 def check_histories(histories: Sequence[History]) -> None:
@@ -103,7 +106,8 @@ class Collate:
     worker the same draws, the same again each epoch, and restarted at a resume).
 
     ``rows``: each feature's table size; a batch with an id outside it raises ``IdError`` here, in the
-    loader, where checking costs no wait for a GPU."""
+    loader, where checking costs no wait for a GPU. ``earlier``: add a last key ``earlier``, each history's
+    items before its window (``History.earlier``: what ``predict`` must not recommend again)."""
 
     def __init__(
         self,
@@ -112,8 +116,10 @@ class Collate:
         seed: int,
         with_targets: bool = False,
         rows: Mapping[str, int] | None = None,
+        earlier: bool = False,
     ):
         self.num_items, self.negatives, self.with_targets = num_items, negatives, with_targets
+        self.earlier = earlier
         self.rows = dict(rows or {})
         self.seed = seed
 
@@ -136,6 +142,10 @@ class Collate:
             keys.append("target")
             values.append(_integers([s[1] for s in samples], "held-out item ids"))
             key_lengths.append([1] * len(samples))
+        if self.earlier:
+            keys.append("earlier")
+            values.append(_integers([i for h in histories for i in h.earlier], "earlier item ids"))
+            key_lengths.append([len(h.earlier) for h in histories])
         features = KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.cat(values), lengths=torch.tensor([n for ls in key_lengths for n in ls])
         )
@@ -238,7 +248,8 @@ class HistoryDataModule(pl.LightningDataModule):
         self.validation: list[tuple[History, int]] = []
         self.test: list[tuple[History, int]] = []
         self.latest: list[History] = []
-        """Every user's whole history (its last ``max_seq_len`` events): what ``predict`` recommends after."""
+        """Every user's whole history (its last ``max_seq_len`` events, the items before them in ``earlier``):
+        what ``predict`` recommends after."""
         self.user_ids: Sequence[int] | None = None
         """The dataset's own id of each user id the model uses (index: the model's id), where ``load`` renumbered
         them (``MovieLens``); None: the ids are the dataset's."""
@@ -256,6 +267,7 @@ class HistoryDataModule(pl.LightningDataModule):
             "item": items,
             "item_neg": items,
             "target": items,
+            "earlier": items,
             "action": self.num_actions,
             "user": self.num_users + 1,
         }
@@ -315,7 +327,7 @@ class HistoryDataModule(pl.LightningDataModule):
             self.latest,
             length=lambda history: len(history.items),
             filler=lambda history: replace(history, user=FILLER_USER),
-            collate=Collate(self.num_items, 0, self.seed + 2, rows=self.table_rows()),
+            collate=Collate(self.num_items, 0, self.seed + 2, rows=self.table_rows(), earlier=True),
         )
 
     def _evaluation_loader(self, pairs: list[tuple[History, int]]) -> DataLoader:

@@ -40,17 +40,20 @@ class RankingEvaluation:
     def predict_step(self, batch: HSTUBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``user`` [R], ``items`` [R, k] (best first) and their ``scores`` [R, k], on the CPU, for the batch's
         histories except fillers (``FILLER_USER``); k is ``predict_top_k``, or fewer where fewer items can be
-        recommended (the catalogue, less the history's items unless ``predict_seen_items``: a history that
-        has seen more than ``items - k`` items gets scores of -inf at its end, for no item)."""
+        recommended (the catalogue, less the user's items unless ``predict_seen_items``: the history's and,
+        where the batch has the key, ``earlier``'s, the items before a history cut to ``max_seq_len``; a user
+        who has seen more than ``items - k`` items gets scores of -inf at its end, for no item)."""
         if self.predict_top_k < 1:
             raise ValueError(f"predict_top_k must be at least 1, got {self.predict_top_k}")
         with torch.no_grad():
             scores = self.score_items(batch).float()
         scores[:, 0] = -torch.inf  # no item
         if not self.predict_seen_items:
-            history = batch.features["item"]
-            rows = torch.repeat_interleave(torch.arange(len(scores), device=scores.device), history.lengths())
-            scores[rows, history.values()] = -torch.inf
+            samples = torch.arange(len(scores), device=scores.device)
+            keys = batch.features.keys()
+            for key in ("item", "earlier") if "earlier" in keys else ("item",):  # the window, what came before
+                seen = batch.features[key]
+                scores[torch.repeat_interleave(samples, seen.lengths()), seen.values()] = -torch.inf
         best, items = scores.topk(min(self.predict_top_k, scores.shape[1] - 1), dim=1)
         users = batch.features["user"].values()
         real = users != FILLER_USER
