@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .hstu.presets import DEFAULT_PRESET, NO_THREAD_MAP, PRESET_NAMES, PRESET_NOTES, THREAD_MAPS, resolve_plan
 from .hstu.tasks import GRAPH_TASKS
+from .loops.errors import CheckpointError
 from .paths import unused
 from .plan import Plan, PlanError
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args = _parser().parse_args(words)
         return args.run(args)
-    except PlanError as error:
+    except (PlanError, CheckpointError) as error:
         print(f"lightning-hstu: error: {error}", file=sys.stderr)
         return 2
 
@@ -43,6 +44,10 @@ def run_lightning_cli(argv: list[str] | None):
         """``fit`` ends with one ``trainer.test`` when a ``RankingReport`` callback is configured: that
         callback has put the best validation epoch's weights back, and prints the test report."""
 
+        def _parse_ckpt_path(self) -> None:
+            _check_checkpoint_model(self.config)
+            super()._parse_ckpt_path()
+
         def after_fit(self) -> None:
             from .callbacks import RankingReport
 
@@ -52,6 +57,35 @@ def run_lightning_cli(argv: list[str] | None):
     return FitThenTestCLI(
         args=argv, subclass_mode_model=True, subclass_mode_data=True, save_config_callback=_run_config_callback()
     )
+
+
+def _check_checkpoint_model(config) -> None:
+    """Refuse ``--ckpt_path`` of another model class than the config's: Lightning's CLI reads a checkpoint
+    file's hyper-parameters, its model's class included, over the config, so an HSTU config given a SASRec
+    checkpoint fitted, tested or predicted with SASRec, named so only in the report; and an HSTU checkpoint
+    (a directory) given to a SASRec config failed with ``IsADirectoryError``."""
+    import torch
+
+    from .strategies.sharded_checkpoint import LIGHTNING_FILE
+
+    subcommand = config.get("subcommand")
+    if not subcommand:
+        return
+    ckpt_path = config[subcommand].get("ckpt_path")
+    model = config[subcommand].get("model")
+    wanted = getattr(model, "class_path", None)
+    if not ckpt_path or not wanted:
+        return
+    path = Path(ckpt_path)
+    file = path / LIGHTNING_FILE if path.is_dir() else path
+    if not file.is_file():
+        return  # Lightning names a missing checkpoint
+    saved = torch.load(file, weights_only=True, map_location="cpu").get("hyper_parameters", {}).get("_class_path")
+    if saved is not None and saved != wanted:
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path} is a checkpoint of {saved}, the config's model is {wanted}: give the "
+            f"checkpoint of a run of that model (or the config of the run that saved it)"
+        )
 
 
 def _run_config_callback():

@@ -246,3 +246,30 @@ def test_the_main_job_logs_csv_tests_the_best_epoch_and_prints_the_report_withou
     rows = (tmp_path / "lightning_logs" / "version_1" / "recommendations.csv").read_text().splitlines()
     assert rows[0] == "user,rank,item,score" and len(rows) == 1 + 96 * 10
     assert "recommendations for 96 users written to lightning_logs/version_1/recommendations.csv" in result.stderr
+
+
+def test_a_checkpoint_of_another_model_class_is_refused_naming_both(capsys, tmp_path):
+    """Lightning's CLI takes a checkpoint file's model class over the config's: the MovieLens HSTU config
+    given a ToyRecommender's checkpoint would have run the toy model, named so nowhere but the report (a
+    SASRec checkpoint: SASRec's recommendations). Refused before anything is built, as the checkpoint of
+    another configuration of the same model is."""
+    code, _, _ = run_cli(
+        capsys,
+        "fit",
+        "--config",
+        str(EXAMPLE),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=2",
+        "--trainer.enable_checkpointing=true",
+        *QUIET_CLI,
+    )
+    assert code == 0
+    (toy,) = tmp_path.glob("**/*.ckpt")
+    movielens = EXAMPLE.parent / "movielens.yaml"
+    for subcommand in ("fit", "test", "predict"):
+        code, _, err = run_cli(capsys, subcommand, "--config", str(movielens), "--ckpt_path", str(toy))
+        assert code == 2
+        assert (
+            f"--ckpt_path {toy} is a checkpoint of lightning_hstu.models.toy.ToyRecommender, the config's model is "
+            "lightning_hstu.models.hstu.HSTURecommender" in err
+        )
