@@ -194,3 +194,26 @@ def test_without_a_logger_the_report_writes_no_file_into_the_working_directory(t
     trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
     assert "ranked among all items:" in capsys.readouterr().out  # the report is printed
     assert (tmp_path / "ranking.json").read_text() == "the user's own file"
+
+
+def test_a_test_without_fit_or_checkpoint_names_the_weights_and_stays_out_of_other_reports(tmp_path, capsys):
+    """``lightning-hstu test`` without ``--ckpt_path`` tests the model as built: the report said "weights at the
+    end of fit" and wrote ranking.json, so the next run's report showed those untrained numbers as this
+    model's latest run (HR@10 0.0064 in place of the trained run's 0.1400)."""
+    data = small_data(negatives=0)
+    trainer = _trainer(tmp_path, RankingReport(), 1)
+    trainer.fit(SASRecRecommender(**SMALL_SASREC), data)
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    fitted = Path(trainer.log_dir)
+    assert (fitted / "ranking.json").exists()
+    capsys.readouterr()
+
+    untrained = _trainer(tmp_path, RankingReport(), 1)
+    untrained.test(SASRecRecommender(**SMALL_SASREC), datamodule=data, verbose=False)
+    out = capsys.readouterr().out
+    assert "the module's weights as given: no fit ran with this report and no checkpoint was loaded" in out
+    assert not (Path(untrained.log_dir) / "ranking.json").exists()
+    later = _trainer(tmp_path, RankingReport(name="later"), 1)
+    later.fit(SASRecRecommender(**SMALL_SASREC), data)
+    later.test(later.lightning_module, datamodule=data, verbose=False)
+    assert f"({fitted}," in capsys.readouterr().out  # the SASRec run beside it is the fitted one

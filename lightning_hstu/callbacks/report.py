@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from ..data.evaluation import METRICS, RANKINGS
 
 RESULTS_FILE = "ranking.json"
+UNFITTED = "the module's weights as given: no fit ran with this report and no checkpoint was loaded"
 
 
 class RankingReport(Callback):
@@ -23,9 +24,11 @@ class RankingReport(Callback):
     data description (the latest run per model), and for the most-popular baseline; and writes this run's
     ``ranking.json`` into its log directory (without a logger there is none: nothing is written and no other
     run is read). The report names the weights it tested: the best epoch's where ``on_fit_end`` put them
-    back, a checkpoint's (``trainer.test(ckpt_path=...)``), or those at the end of fit, with the best epoch
+    back, a checkpoint's (``trainer.test(ckpt_path=...)``), those at the end of fit, with the best epoch
     they are not (a fit that raised; a resumed fit whose best epoch came before the resume and stayed best:
-    the checkpoint carries the best score and epoch, not their weights).
+    the checkpoint carries the best score and epoch, not their weights), or, with neither a fit nor a
+    checkpoint (``lightning-hstu test`` without ``--ckpt_path``), the module's weights as given; that last
+    run writes no ``ranking.json``, so other runs' reports do not show it as this model's.
 
     Needs a model with ``evaluation_weights()`` that logs ``val/...`` and ``test/...`` as
     ``models.ranking.RankingEvaluation`` does, and a datamodule with ``most_popular()`` and ``description``
@@ -37,6 +40,7 @@ class RankingReport(Callback):
         self.best_epoch: int | None = None
         self._best: list[torch.Tensor] | None = None
         self._restored: int | None = None  # the epoch whose weights on_fit_end put back, since fit started
+        self._fitted = False  # a fit ran with this report: the weights are a fit's
 
     def state_dict(self) -> dict:
         return {"best_score": self.best_score, "best_epoch": self.best_epoch}
@@ -47,6 +51,7 @@ class RankingReport(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._restored = None
+        self._fitted = True
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -79,6 +84,8 @@ class RankingReport(Callback):
             return f"weights of checkpoint {trainer.ckpt_path}"
         if self._restored is not None:
             return f"weights of epoch {self._restored}, best {self.monitor} {self.best_score:.4f}"
+        if not self._fitted:
+            return UNFITTED
         if self.best_epoch is not None:
             return (
                 f"weights at the end of fit, not those of the best epoch {self.best_epoch} ({self.monitor} "
@@ -117,7 +124,7 @@ class RankingReport(Callback):
             ("most popular", data.most_popular("test"), ""),
         ]
         print(format_report(data.description, rows, weights))
-        if run_dir is not None:
+        if run_dir is not None and weights != UNFITTED:  # not a run of the model: other reports must not show it
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RESULTS_FILE).write_text(json.dumps(result, indent=2))
 
