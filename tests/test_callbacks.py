@@ -92,6 +92,47 @@ def test_the_trace_has_a_track_per_thread_and_every_task_of_the_traced_steps(tmp
     assert len(starts) == len(finishes) > 0  # full_split_d6 waits (at least on the ticket)
 
 
+def test_a_second_fit_traces_and_times_its_own_batches(tmp_path, capsys):
+    """A second fit of one Trainer: the trace showed the first fit's steps again (its records were kept and
+    its batch count went on), and the timing table counted both fits."""
+    path = tmp_path / "trace.json"
+    timing = TaskTimingCallback(log_every_n_steps=0)
+    _, trainer = fit(
+        HSTUPipelineStrategy("default_d6"),
+        callbacks=[TraceCallback(str(path), first_batch=2, num_batches=1), timing],
+        max_epochs=1,
+    )
+    first = json.loads(path.read_text())
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(trainer.lightning_module, trainer.datamodule)
+    second = json.loads(path.read_text())
+    steps = lambda trace: {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"}  # noqa: E731
+    assert steps(first) == steps(second) == {2}  # each fit's own batch 2 (epoch 0, then epoch 1)
+    assert first != second  # taken anew
+    assert Counter(r.task for r in timing.records) == Counter({t: 12 for t in HSTU_TASK_NAMES})
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: TraceCallback(first_batch=-1), "first_batch must be at least 0, got -1"),
+        (lambda: TraceCallback(num_batches=0), "num_batches must be at least 1, got 0"),
+        (lambda: GanttCallback(batch=-3), "batch must be at least 0, got -3"),
+        (lambda: TaskTimingCallback(log_every_n_steps=-5), "log_every_n_steps must be at least 0, got -5"),
+        (lambda: TaskTimingCallback(max_records=0), "max_records must be at least 1, got 0"),
+    ],
+)
+def test_bad_callback_arguments_are_refused_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_trace_that_starts_after_the_last_batch_says_so(tmp_path):
+    with pytest.warns(UserWarning, match="fit trained 12 batches, the trace starts at batch 100: nothing written"):
+        fit(HSTUPipelineStrategy("default_d6"), callbacks=[TraceCallback(str(tmp_path / "t.json"), 100)], max_epochs=1)
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_pictures_are_written(tmp_path, capsys):
     fit(HSTUPipelineStrategy("default_d6"), callbacks=[GanttCallback(str(tmp_path / "gantt"), batch=5)], max_epochs=1)
     assert main(["presets", "--plot", str(tmp_path / "topology")]) == 0
@@ -209,6 +250,8 @@ def test_fit_summary_counts_the_samples_of_each_fit_it_times(capsys):
     trainer.fit_loop.max_epochs = 2
     trainer.fit(trainer.lightning_module, trainer.datamodule)
     assert "trained 96 samples in 1 epochs" in capsys.readouterr().out  # the second fit's one epoch
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[FitSummary()], max_epochs=3, max_steps=18)
+    assert "trained 144 samples in 1.5 epochs" in capsys.readouterr().out  # it said 1 (and for 30 steps, 3)
 
 
 def test_timing_logs_once_per_logged_step_under_gradient_accumulation():

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from ..checks import at_least
 from ..engine import TaskRecord, format_summary, summarize
 from ..plan import PlanTask
 from ._engine import TaskEvents, observe_engine
@@ -32,6 +33,8 @@ class TaskTimingCallback(Callback):
         device_time: bool = False,
         max_records: int = 200_000,
     ):
+        at_least(0, log_every_n_steps=log_every_n_steps)
+        at_least(1, max_records=max_records)
         self.log_every_n_steps, self.print_table, self.device_time = log_every_n_steps, print_table, device_time
         self.max_records = max_records
         self.records: deque[TaskRecord] = deque(maxlen=max_records)
@@ -40,6 +43,12 @@ class TaskTimingCallback(Callback):
         self._events = TaskEvents()
         self.device_ms: dict[str, deque[float]] = {}
         """Task -> device milliseconds of its last runs (``device_time`` on a CUDA device)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        # a second fit of the Trainer: its own table, not both fits' (as FitSummary counts each fit)
+        self.records.clear()
+        self._window, self._logged_step = [], None
+        self.device_ms.clear()
 
     def setup(self, trainer, pl_module, stage):
         if self.device_time and trainer.strategy.root_device.type == "cuda":

@@ -10,7 +10,9 @@ from typing import NamedTuple
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from ..checks import at_least
 from ..engine import TaskRecord
 from ..plan import Plan, PlanTask
 from ._engine import TaskEvents, observe_engine
@@ -38,6 +40,16 @@ class _ChosenBatches(Callback):
         self.records: list[TaskRecord] = []
         self._seen = 0
 
+    def on_fit_start(self, trainer, pl_module):
+        self.records, self._seen = [], 0  # a second fit of the Trainer: its own batches, not the first fit's
+
+    def _warn_unreached(self, what: str) -> None:
+        if not self.records:
+            rank_zero_warn(
+                f"{type(self).__name__}: fit trained {self._seen} batches, the {what} starts at batch "
+                f"{self.first}: nothing written (choose an earlier batch)"
+            )
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.first <= self._seen < self.first + self.count:
             self.records.extend(getattr(trainer.strategy, "step_records", ()))
@@ -54,12 +66,18 @@ class TraceCallback(_ChosenBatches):
     def __init__(
         self, path: str = "engine_trace.json", first_batch: int = 10, num_batches: int = 3, stream_tracks: bool = True
     ):
+        at_least(0, first_batch=first_batch)
+        at_least(1, num_batches=num_batches)
         super().__init__(first_batch, num_batches)
         self.path = Path(path)
         self.stream_tracks = stream_tracks
         self.device_slices: list[DeviceSlice] = []
         self._anchor = None  # (CUDA event, perf_counter) taken together on an idle device
         self._events = TaskEvents()
+
+    def on_fit_start(self, trainer, pl_module):
+        super().on_fit_start(trainer, pl_module)
+        self.device_slices, self._anchor, self._events = [], None, TaskEvents()
 
     def setup(self, trainer, pl_module, stage):
         if self.stream_tracks and trainer.strategy.root_device.type == "cuda":
@@ -94,12 +112,15 @@ class TraceCallback(_ChosenBatches):
             ]
         if self.records:
             write_trace(trainer.strategy.plan, self.records, self.path, self.device_slices)
+        self._warn_unreached("trace")
 
 
 class GanttCallback(_ChosenBatches):
     """Draws the Gantt of the steps that trained the chosen batch(es): ``<path>.png`` and ``.svg``."""
 
     def __init__(self, path: str = "engine_gantt", batch: int = 10, num_batches: int = 1):
+        at_least(0, batch=batch)
+        at_least(1, num_batches=num_batches)
         super().__init__(batch, num_batches)
         self.path = path
 
@@ -107,6 +128,7 @@ class GanttCallback(_ChosenBatches):
     def on_fit_end(self, trainer, pl_module):
         if self.records:
             draw_gantt(trainer.strategy.plan, self.records, self.path)
+        self._warn_unreached("Gantt")
 
 
 def write_trace(plan: Plan, records: list[TaskRecord], path: Path, device_slices: list[DeviceSlice] = ()) -> dict:
