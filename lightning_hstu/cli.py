@@ -1,5 +1,5 @@
-"""The ``lightning-hstu`` command: train (``fit``, a LightningCLI), inspect plans (``presets``), run the toy
-demo (``demo``)."""
+"""The ``lightning-hstu`` command: train, validate, test and predict (``fit``, ``validate``, ``test``,
+``predict``: Lightning's LightningCLI), inspect plans (``presets``), run the toy demo (``demo``)."""
 
 import argparse
 import json
@@ -122,6 +122,12 @@ def _run_dir(log_dir: str | None, default_root_dir: str) -> Path:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-hstu", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="command")
+    for name in LIGHTNING_SUBCOMMANDS:  # run by main() before this parser: listed here for --help and typos
+        commands.add_parser(
+            name,
+            help=f"Lightning's LightningCLI {name} (--config FILE.yaml; `lightning-hstu {name} --help`: its options)",
+            add_help=False,
+        )
 
     presets = commands.add_parser("presets", help="print the presets' plans, or a preset's plan with changes")
     presets.add_argument(

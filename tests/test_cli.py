@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lightning_hstu import PRESET_NAMES, make_plan
 from lightning_hstu.cli import main
 
@@ -273,3 +275,15 @@ def test_a_checkpoint_of_another_model_class_is_refused_naming_both(capsys, tmp_
             f"--ckpt_path {toy} is a checkpoint of lightning_hstu.models.toy.ToyRecommender, the config's model is "
             "lightning_hstu.models.hstu.HSTURecommender" in err
         )
+
+
+def test_help_lists_every_subcommand_and_a_typo_names_them(capsys):
+    """Only presets and demo were listed: ``lightning-hstu fitt`` said "choose from 'presets', 'demo'"."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "presets", "demo"):
+        assert f"    {name} " in out, name
+    with pytest.raises(SystemExit):
+        main(["fitt"])
+    assert "(choose from 'fit', 'validate', 'test', 'predict', 'presets', 'demo')" in capsys.readouterr().err
