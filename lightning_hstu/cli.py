@@ -201,8 +201,14 @@ def _json_or_name(text: str | None, option: str):
 
 
 def _presets(args: argparse.Namespace) -> int:
-    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
-        print(f"lightning-hstu: error: --plot {args.plot} is a file; give a folder (made if absent)", file=sys.stderr)
+    blocking = args.plot and next(
+        (p for p in (Path(args.plot), *Path(args.plot).parents) if p.exists() and not p.is_dir()), None
+    )
+    if blocking:
+        print(
+            f"lightning-hstu: error: --plot {args.plot}: {blocking} is a file; give a folder (made if absent)",
+            file=sys.stderr,
+        )
         return 2
     capturable = GRAPH_TASKS if args.capture_graphs else ()
     names = args.names or PRESET_NAMES

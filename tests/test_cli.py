@@ -94,6 +94,8 @@ def test_a_ticket_order_typed_with_spaces_and_a_plot_path_that_is_a_file(capsys,
     (tmp_path / "plots").write_text("a file of the user's")
     code, _, err = run_cli(capsys, "presets", "--plot", str(tmp_path / "plots"))
     assert code == 2 and "is a file; give a folder" in err  # a FileExistsError traceback before
+    code, _, err = run_cli(capsys, "presets", "--plot", str(tmp_path / "plots" / "sub"))
+    assert code == 2 and f"{tmp_path / 'plots'} is a file; give a folder" in err  # NotADirectoryError before
 
 
 def test_demo_trains_the_toy_model_and_prints_per_task_timing(capsys):
