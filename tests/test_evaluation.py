@@ -154,8 +154,8 @@ def test_validation_on_two_ranks_gives_the_metrics_of_every_user_once(tmp_path):
     data = SyntheticHistories(**DATA)
     data.setup()
     histories = [h for h, _ in data.validation]
-    history = torch.tensor([i for h in histories for i in h.items])
-    lengths = torch.tensor([len(h.items) for h in histories])
+    history = torch.tensor([i for h in histories for i in h.items + h.earlier])
+    lengths = torch.tensor([len(h.items) + len(h.earlier) for h in histories])
     users = torch.tensor([h.user for h in histories])
     targets = torch.tensor([t for _, t in data.validation])
     expected = mean_metrics(target_ranks(fixed_scores(users, data.num_items), targets, history, lengths))
@@ -194,3 +194,24 @@ def test_scores_stay_fp32_under_bf16_autocast(model_name):
     targets = batch.features["target"].values()
     tied = (scores == scores.gather(1, targets[:, None])).sum(1) - 1
     assert tied.sum() == 0
+
+
+def test_the_unseen_ranking_leaves_out_the_items_before_a_cut_history():
+    """A user who rated items 1-10, the model reading the last 4: items 1-6 are seen too (before, "unseen"
+    counted them: the held-out item ranked 7th among items "not in the user's history", all of them rated)."""
+    from lightning_hstu.models.ranking import seen_items
+
+    whole = History(1, tuple(range(1, 11)), (0,) * 10, tuple(range(10)))
+    cut = whole.last(4)
+    assert cut.items == (7, 8, 9, 10) and cut.earlier == (1, 2, 3, 4, 5, 6)
+    other = History(2, (3, 4), (0, 0), (0, 1))  # a second sample, not cut
+    batch = Collate(12, 0, 0, with_targets=True, earlier=True)([(cut, 11), (other, 11)])
+    items, lengths = seen_items(batch)
+    assert lengths.tolist() == [10, 2]
+    assert sorted(items[:10].tolist()) == list(range(1, 11)) and sorted(items[10:].tolist()) == [3, 4]
+    scores = torch.zeros(2, 13)
+    scores[:, 1:11] = 1.0  # every rated item above the held-out 11
+    scores[:, 11] = 0.5
+    ranks = target_ranks(scores, torch.tensor([11, 11]), items, lengths)
+    assert ranks["all"].tolist() == [10, 10]
+    assert ranks["unseen"].tolist() == [0, 8]  # the second user rated only 3 and 4

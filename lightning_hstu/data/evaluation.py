@@ -1,9 +1,10 @@
 """Ranking metrics of a held-out next item, the same for every model and the most-popular baseline.
 
 Each held-out item gets a 0-based rank under two rankings: among all items (id 0, no item, excluded), and
-among the items not in the user's history (the history the model saw; the held-out item itself always
-counts). From the ranks: HR@k (the item in the top k), NDCG@k (1 / log2(rank + 2) in the top k, else 0)
-and MRR (1 / (rank + 1)), averaged over users. An item scored the same as the held-out item ranks above it,
+among the items not in the user's history (every item the user rated before the held-out one, also those
+before a history cut to ``max_seq_len``; the held-out item itself always counts). From the ranks: HR@k (the
+item in the top k), NDCG@k (1 / log2(rank + 2) in the top k, else 0) and MRR (1 / (rank + 1)), averaged
+over users. An item scored the same as the held-out item ranks above it,
 and so does an item scored NaN; a NaN held-out score ranks last: a model that scores everything alike, or
 diverged, gets the worst ranks, never the best.
 """
@@ -69,8 +70,8 @@ def most_popular_ranks(train_items: Sequence[Sequence[int]], evaluation, num_ite
     ranks = {name: [] for name in RANKINGS}
     for start in range(0, len(evaluation), 256):
         chunk = evaluation[start : start + 256]
-        history = torch.tensor([i for h, _ in chunk for i in h.items], dtype=torch.long)
-        lengths = torch.tensor([len(h.items) for h, _ in chunk])
+        history = torch.tensor([i for h, _ in chunk for i in h.items + h.earlier], dtype=torch.long)
+        lengths = torch.tensor([len(h.items) + len(h.earlier) for h, _ in chunk])
         targets = torch.tensor([t for _, t in chunk])
         for name, r in target_ranks(scores.expand(len(chunk), -1), targets, history, lengths).items():
             ranks[name].append(r)

@@ -344,7 +344,7 @@ class HistoryDataModule(pl.LightningDataModule):
             pairs,
             length=lambda pair: len(pair[0].items),
             filler=lambda pair: (pair[0], NO_TARGET),
-            collate=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows()),
+            collate=Collate(self.num_items, 0, self.seed + 1, with_targets=True, rows=self.table_rows(), earlier=True),
         )
 
     def _shared_loader(self, samples: list, length, filler, collate: Collate) -> DataLoader:

@@ -49,11 +49,10 @@ class RankingEvaluation:
             scores = self.score_items(batch).float()
         scores[:, 0] = -torch.inf  # no item
         if not self.predict_seen_items:
-            samples = torch.arange(len(scores), device=scores.device)
-            keys = batch.features.keys()
-            for key in ("item", "earlier") if "earlier" in keys else ("item",):  # the window, what came before
-                seen = batch.features[key]
-                scores[torch.repeat_interleave(samples, seen.lengths()), seen.values()] = -torch.inf
+            items, lengths = seen_items(batch)
+            scores[
+                torch.repeat_interleave(torch.arange(len(scores), device=scores.device), lengths), items
+            ] = -torch.inf
         best, items = scores.topk(min(self.predict_top_k, scores.shape[1] - 1), dim=1)
         users = batch.features["user"].values()
         real = users != FILLER_USER
@@ -68,10 +67,9 @@ class RankingEvaluation:
     def _log_ranks(self, stage: str, batch: HSTUBatch) -> None:
         with torch.no_grad():
             scores = self.score_items(batch)
-        history = batch.features["item"]
         targets = batch.features["target"].values()
         counted = (targets != NO_TARGET).float()
-        ranks = target_ranks(scores, targets, history.values(), history.lengths())
+        ranks = target_ranks(scores, targets, *seen_items(batch))
         for ranking in RANKINGS:
             for name, values in metric_values(ranks[ranking]).items():
                 key = _key(stage, ranking, name)
@@ -89,3 +87,19 @@ class RankingEvaluation:
 
 def _key(stage: str, ranking: str, metric: str) -> str:
     return f"{stage}_{ranking}_{metric.replace('@', '_at_')}"
+
+
+def seen_items(batch: HSTUBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every item each sample's user rated before what is predicted, back to back per sample, and their
+    counts: the history's (``item``) and, where the batch has the key, ``earlier``'s (the items before a
+    history cut to ``max_seq_len``)."""
+    window = batch.features["item"]
+    if "earlier" not in batch.features.keys():
+        return window.values(), window.lengths()
+    earlier = batch.features["earlier"]
+    samples = torch.arange(len(window.lengths()), device=window.values().device)
+    rows = torch.cat(
+        [torch.repeat_interleave(samples, window.lengths()), torch.repeat_interleave(samples, earlier.lengths())]
+    )
+    items = torch.cat([window.values(), earlier.values()])[torch.argsort(rows, stable=True)]
+    return items, window.lengths() + earlier.lengths()
