@@ -66,7 +66,7 @@ def _check_checkpoint_model(config) -> None:
     (a directory) given to a SASRec config failed with ``IsADirectoryError``."""
     import torch
 
-    from .strategies.sharded_checkpoint import LIGHTNING_FILE
+    from .strategies.sharded_checkpoint import _TRAINER_STATE_GLOBALS, LIGHTNING_FILE
 
     subcommand = config.get("subcommand")
     if not subcommand:
@@ -80,7 +80,12 @@ def _check_checkpoint_model(config) -> None:
     file = path / LIGHTNING_FILE if path.is_dir() else path
     if not file.is_file():
         return  # Lightning names a missing checkpoint
-    saved = torch.load(file, weights_only=True, map_location="cpu").get("hyper_parameters", {}).get("_class_path")
+    try:
+        with torch.serialization.safe_globals(_TRAINER_STATE_GLOBALS):  # runs no code of the file
+            saved = torch.load(file, weights_only=True, map_location="cpu", mmap=True)
+    except Exception:  # noqa: BLE001 (not readable so: the load itself reports it, as it would without this check)
+        return
+    saved = saved.get("hyper_parameters", {}).get("_class_path")
     if saved is not None and saved != wanted:
         raise CheckpointError(
             f"--ckpt_path {ckpt_path} is a checkpoint of {saved}, the config's model is {wanted}: give the "

@@ -4,15 +4,19 @@ import json
 import threading
 from collections import Counter, defaultdict
 
+import lightning.pytorch as pl
 import nvtx
 import pytest
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_runs import RecordingLogger, fit
+from lightning_runs import QUIET, RecordingLogger, fit
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
 from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
 from lightning_hstu.cli import main
+from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
+from lightning_hstu.models.toy import ToyRecommender
 
 
 @pytest.fixture
@@ -252,6 +256,24 @@ def test_fit_summary_counts_the_samples_of_each_fit_it_times(capsys):
     assert "trained 96 samples in 1 epochs" in capsys.readouterr().out  # the second fit's one epoch
     fit(HSTUPipelineStrategy("default_d6"), callbacks=[FitSummary()], max_epochs=3, max_steps=18)
     assert "trained 144 samples in 1.5 epochs" in capsys.readouterr().out  # it said 1 (and for 30 steps, 3)
+
+    class Growing(ToyDataModule):  # reloaded each epoch: 5 batches, then 15
+        def train_dataloader(self):
+            n = 40 if self.trainer.current_epoch == 0 else 120
+            return DataLoader(TensorDataset(self.items[:n], self.ratings[:n]), batch_size=8)
+
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[FitSummary()],
+        **QUIET,
+    )
+    trainer.fit(ToyRecommender(), Growing(num_samples=128))
+    assert "trained 160 samples in 2 epochs" in capsys.readouterr().out
 
 
 def test_timing_logs_once_per_logged_step_under_gradient_accumulation():

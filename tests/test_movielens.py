@@ -111,13 +111,14 @@ def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
     batches = [first[i : i + 10] for i in range(0, 100, 10)]
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
     assert spread < 60  # sorted pools of 50: about 40; a random batch of 10 spans about 160 of the 198 lengths
-    # 95 samples: the last pool's remainder of 5 comes last, so every run of 10 before it is one sorted batch
-    # of one pool (in the middle, the remainder shifted every later run across two of them)
+    # 95 samples: the permutation's last 5 are set aside and come last, so every run of 10 before them is one
+    # sorted batch of one pool (in the middle, the remainder shifted every later run across two of them), and
+    # what drop_last drops is random samples, not the longest of a pool
     order = list(LengthBuckets(lengths[:95], batch_size=10, pool_batches=5, generator=torch.Generator().manual_seed(1)))
     permutation = torch.randperm(95, generator=torch.Generator().manual_seed(1)).tolist()  # the sampler's first draw
     built = []
-    for start in range(0, 95, 50):
-        pool = sorted(permutation[start : start + 50], key=lengths.__getitem__)
+    for start in range(0, 90, 50):
+        pool = sorted(permutation[start : min(start + 50, 90)], key=lengths.__getitem__)
         built += [set(pool[i : i + 10]) for i in range(0, len(pool), 10)]
-    runs = [set(order[i : i + 10]) for i in range(0, 95, 10)]
-    assert all(run in built for run in runs[:-1]) and len(runs[-1]) == 5 and runs[-1] in built
+    assert all(set(order[i : i + 10]) in built for i in range(0, 90, 10))
+    assert order[90:] == permutation[90:]

@@ -16,18 +16,16 @@ class FitSummary(Callback):
         self.created = time.perf_counter()
         self._start: float | None = None
         self.samples = 0
-        self.batches = 0
         self._first_epoch = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.perf_counter()
-        self.samples = self.batches = 0  # this fit's (a second fit of the Trainer counts, and is timed, on its own)
+        self.samples = 0  # this fit's (a second fit of the Trainer counts, and is timed, on its own)
         self._first_epoch = trainer.current_epoch  # a resumed fit starts at its checkpoint's
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch is not None:  # a batch the loader gave as None trained nothing
             self.samples += _batch_size(batch) * trainer.world_size
-            self.batches += 1
 
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -41,12 +39,14 @@ class FitSummary(Callback):
         )
 
     def _epochs(self, trainer) -> str:
-        """Epochs trained, a fraction where fit stopped inside one (``max_steps``; a loader with a length)."""
+        """Epochs trained, with the fraction of the last one where fit stopped inside it (``max_steps``):
+        Lightning counts that epoch as ended."""
         epochs = trainer.current_epoch - self._first_epoch
-        per_epoch = trainer.num_training_batches
-        if per_epoch in (0, float("inf")) or not self.batches:
+        last = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # of the last epoch
+        per_epoch = trainer.num_training_batches  # the last epoch's (a reload may change it)
+        if epochs < 1 or per_epoch in (0, float("inf")) or not 0 < last < per_epoch:
             return f"{epochs}"
-        return f"{round(self.batches / per_epoch, 2):g}"
+        return f"{round(epochs - 1 + last / per_epoch, 2):g}"
 
     @rank_zero_only
     def teardown(self, trainer, pl_module, stage: str) -> None:

@@ -161,12 +161,13 @@ class Collate:
 class LengthBuckets(Sampler[int]):
     """A shuffled order of the samples in which each run of ``batch_size`` holds histories of similar
     length: every epoch, a random permutation is cut into pools of ``pool_batches`` batches, each pool is
-    sorted by length and cut into batches, and the full batches of all pools are shuffled; the last pool's
-    remainder (fewer than ``batch_size`` samples) comes last, where a loader's ``drop_last`` drops it (in
-    the middle it shifted every later batch across two of these runs: 20 of 29 batches on ML-100K's 943
-    users). Padded attention costs batch x longest^2 and the padded losses batch x longest, so batches of
-    like lengths train several times faster on the CPU; each batch still mixes users drawn at random
-    within a pool."""
+    sorted by length and cut into batches, and the batches of all pools are shuffled. The permutation's
+    remainder (its last ``len % batch_size`` samples, drawn at random) is set aside before the pools and
+    comes last, where a loader's ``drop_last`` drops it: in the middle it shifted every later batch across
+    two of these runs (20 of 29 batches on ML-100K's 943 users), and taken from the last pool it would be
+    that pool's longest histories every epoch. Padded attention costs batch x longest^2 and the padded
+    losses batch x longest, so batches of like lengths train several times faster on the CPU; each batch
+    still mixes users drawn at random within a pool."""
 
     def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int, generator: torch.Generator):
         self.lengths, self.batch_size, self.pool = list(lengths), batch_size, batch_size * pool_batches
@@ -177,16 +178,15 @@ class LengthBuckets(Sampler[int]):
 
     def __iter__(self):
         order = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        keep = len(order) - len(order) % self.batch_size
+        order, rest = order[:keep], order[keep:]  # the remainder: random samples, not a pool's longest
         batches = []
         for start in range(0, len(order), self.pool):
             pool = sorted(order[start : start + self.pool], key=self.lengths.__getitem__)
             batches.extend(pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size))
-        full = [batch for batch in batches if len(batch) == self.batch_size]
-        for b in torch.randperm(len(full), generator=self.generator).tolist():
-            yield from full[b]
-        for batch in batches:
-            if len(batch) < self.batch_size:
-                yield from batch
+        for b in torch.randperm(len(batches), generator=self.generator).tolist():
+            yield from batches[b]
+        yield from rest
 
 
 class _ListDataset(Dataset):

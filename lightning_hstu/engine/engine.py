@@ -348,8 +348,14 @@ class Engine:
         self._thread_of = {t.name: t.thread for t in plan.tasks}
         self._wait_producers = frozenset(p for p, _ in plan.wait_edges)
         self._streams = make_streams(device)
-        if isinstance(join_timeout, bool) or not isinstance(join_timeout, numbers.Real) or not join_timeout >= 0:
-            raise EngineError(f"join_timeout must be a number of seconds >= 0; got {join_timeout!r}")
+        if (
+            isinstance(join_timeout, bool)
+            or not isinstance(join_timeout, numbers.Real)
+            or not 0 <= join_timeout <= threading.TIMEOUT_MAX
+        ):
+            raise EngineError(
+                f"join_timeout must be a number of seconds from 0 to {threading.TIMEOUT_MAX:g}; got {join_timeout!r}"
+            )
         self._join_timeout = float(join_timeout)
         self._workers: dict[str, threading.Thread] = {}
         self._loader: _LoaderThread | None = None
