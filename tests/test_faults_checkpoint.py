@@ -341,3 +341,17 @@ def test_a_checkpoint_of_a_model_of_another_configuration_is_refused(uninterrupt
     trainer = pl.Trainer(strategy=HSTUPipelineStrategy("default_d6"), accelerator="cpu", devices=1, **QUIET)
     with pytest.raises(CheckpointError, match=named):
         trainer.test(model, small_data(), ckpt_path=str(out / "step=6.ckpt"), verbose=False)
+
+
+def test_a_checkpoint_directory_without_its_trainer_state_is_refused_naming_it(tmp_path):
+    """Shards and DCP's index but no lightning.pt (a save that did not finish, a file removed): Lightning's
+    load failed with IsADirectoryError."""
+    from lightning_hstu import HSTUPipelineStrategy
+    from lightning_hstu.loops import CheckpointError
+
+    broken = tmp_path / "broken.ckpt"
+    broken.mkdir()
+    (broken / ".metadata").write_bytes(b"")
+    (broken / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="holds shards but no lightning.pt"):
+        HSTUPipelineStrategy("default_d6").load_checkpoint(broken)

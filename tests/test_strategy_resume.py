@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning_runs import assert_same_weights, fit
 
 from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.loops import CheckpointError
 from lightning_hstu.models.toy import ToyRecommender
 
 LOADERS = {
@@ -149,3 +150,75 @@ def test_an_interrupt_during_an_optimizer_step_is_saved_with_that_batch_trained(
     assert trainer.global_step == 24
     assert resumed.batches_seen == uninterrupted.batches_seen[7:]
     assert_same_weights(resumed, uninterrupted)
+
+
+class FailsOneValidation(ToyRecommender):
+    """Its validation at global step 8 raises once (at its second batch)."""
+
+    armed = False
+
+    def validation_step(self, batch, batch_idx):
+        if FailsOneValidation.armed and self.global_step == 8 and batch_idx == 1:
+            FailsOneValidation.armed = False
+            raise RuntimeError("validation failed")
+        return super().validation_step(batch, batch_idx)
+
+
+class ValidatedAt(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_a_validation_an_exception_interrupted_is_finished_on_resume(preset, tmp_path):
+    """Lightning's loop finishes the validation the exception interrupted; the engine skipped it (the
+    checkpoint had "restarted mid-evaluation" and "on the last batch" both set), so a ModelCheckpoint
+    monitoring it never saved that step."""
+    options = dict(val_check_interval=4, limit_val_batches=3, enable_checkpointing=True)
+    FailsOneValidation.armed = True
+    with pytest.raises(RuntimeError, match="validation failed"):
+        fit(
+            HSTUPipelineStrategy(preset),
+            model_cls=FailsOneValidation,
+            data_kwargs=dict(stateful=True),
+            callbacks=[OnExceptionCheckpoint(tmp_path, "exc")],
+            **options,
+        )
+    for engine in (False, True):  # Lightning's own loop, then the engine
+        validated = ValidatedAt()
+        fit(
+            HSTUPipelineStrategy(preset, engine=engine),
+            model_cls=FailsOneValidation,
+            data_kwargs=dict(stateful=True),
+            ckpt_path=tmp_path / "exc.ckpt",
+            callbacks=[validated],
+            **options,
+        )
+        assert validated.steps[0] == 8, engine
+
+
+def test_a_mid_epoch_checkpoint_of_lightnings_loop_is_checked_on_resume(tmp_path):
+    """Saved 5 batches of 8 into an epoch under ``engine=False``, resumed under the engine with batches of 4:
+    refused, as a checkpoint of the engine's loop is (before, 5 batches of 4 were skipped where 5 of 8 were
+    trained: 20 samples trained twice). A checkpoint of a loop that records nothing (Lightning's own
+    strategy) resumes with a warning that it cannot be checked."""
+    for strategy, name in ((HSTUPipelineStrategy("default_d6", engine=False), "ours"), ("auto", "lightning")):
+        saver = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=5, filename="{step}")
+        fit(strategy, data_kwargs=dict(shuffle=True), max_steps=5, enable_checkpointing=True, callbacks=[saver])
+    with pytest.raises(CheckpointError, match="saved 5 batches into an epoch, with train dataloader batch size 8"):
+        fit(
+            HSTUPipelineStrategy("default_d6"),
+            data_kwargs=dict(shuffle=True, batch_size=4),
+            ckpt_path=tmp_path / "ours" / "step=5.ckpt",
+            max_epochs=1,
+        )
+    with pytest.warns(UserWarning, match="by a loop that did not record its batch size and number of ranks"):
+        fit(
+            HSTUPipelineStrategy("default_d6"),
+            data_kwargs=dict(shuffle=True),
+            ckpt_path=tmp_path / "lightning" / "step=5.ckpt",
+            max_epochs=1,
+        )

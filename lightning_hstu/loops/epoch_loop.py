@@ -179,6 +179,15 @@ class EngineEpochLoop(_TrainingEpochLoop):
         saved, current = self._saved_batch_sizes, self._batches.batch_sizes()
         saved_ranks, ranks = self._saved_world_size, self.trainer.world_size
         self._saved_batch_sizes = self._saved_world_size = None  # only the epoch the checkpoint was saved in
+        if saved is None and saved_ranks is None:
+            warnings.warn(
+                f"the checkpoint was saved {start} batches into an epoch by a loop that did not record its batch "
+                f"size and number of ranks (not HSTUPipelineStrategy's): resuming skips {start} batches of this "
+                f"run's batch size {_sizes(current)} per rank on {ranks} rank(s); if either differs from the run "
+                "that saved it, other samples are skipped than those it trained",
+                stacklevel=2,
+            )
+            return
         if saved_ranks is not None and saved_ranks != ranks:
             raise CheckpointError(
                 f"the checkpoint was saved {start} batches into an epoch on {saved_ranks} rank(s); this run has "
@@ -201,7 +210,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if self.restarting and self._should_check_val_fx(data_fetcher):
             if self.val_loop.restarted_mid_evaluation or self.restarted_on_last:
                 # finish the interrupted validation (or skip the one already done), as Lightning would
-                self._skip_next_val = self.restarted_on_last
+                # as Lightning's advance: an interrupted validation is finished even when the checkpoint was
+                # also saved on the epoch's last batch (both flags set)
+                self._skip_next_val = self.restarted_on_last and not self.val_loop.restarted_mid_evaluation
                 try:
                     self.on_advance_end(data_fetcher)
                 finally:

@@ -305,6 +305,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        _record_mid_epoch_shares(self.lightning_module.trainer, checkpoint)
         with self._step_timeout_paused():  # writing a checkpoint may rightly take longer than a step
             if not sharded_checkpoint.holds_sharded(checkpoint):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -325,6 +326,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            sharded_checkpoint.check_not_partial(checkpoint_path)
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         trainer = self.lightning_module.trainer
         connector = trainer._checkpoint_connector
@@ -468,6 +470,20 @@ def _sharded_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     return tuple(f"{name}." for name, sub in module.named_modules() if isinstance(sub, DistributedModelParallel))
+
+
+def _record_mid_epoch_shares(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """A checkpoint saved inside an epoch by Lightning's own loop (``engine=False``) records what the engine's
+    loop records (``EngineEpochLoop.on_save_checkpoint``): the train loaders' batch sizes and the number of
+    ranks, which a mid-epoch resume under the engine checks before it skips the batches trained."""
+    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+    loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    if state is None or loader is None or "hstu_batch_sizes" in state:
+        return
+    ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    if 0 < ready < trainer.num_training_batches:
+        state["hstu_batch_sizes"] = [getattr(dl, "batch_size", None) for dl in loader.flattened]
+        state["hstu_world_size"] = trainer.world_size
 
 
 def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:

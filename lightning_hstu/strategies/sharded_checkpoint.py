@@ -70,6 +70,17 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return (Path(path) / LIGHTNING_FILE).is_file()
 
 
+def check_not_partial(path: str | Path) -> None:
+    """A directory with DCP's shards or index but no ``lightning.pt`` (a save that did not finish, a file
+    removed) raises ``CheckpointError`` naming it; Lightning's load would fail with ``IsADirectoryError``."""
+    path = Path(path)
+    if path.is_dir() and ((path / METADATA_FILE).exists() or any(path.glob("*.distcp"))):
+        raise CheckpointError(
+            f"checkpoint {path} holds shards but no {LIGHTNING_FILE} (the trainer state rank 0 writes last): its "
+            f"save did not finish or the file was removed. Load another checkpoint"
+        )
+
+
 def new_save_id() -> str:
     return uuid.uuid4().hex
 
