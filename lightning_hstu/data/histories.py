@@ -167,24 +167,34 @@ class LengthBuckets(Sampler[int]):
     two of these runs (20 of 29 batches on ML-100K's 943 users), and taken from the last pool it would be
     that pool's longest histories every epoch. Padded attention costs batch x longest^2 and the padded
     losses batch x longest, so batches of like lengths train several times faster on the CPU; each batch
-    still mixes users drawn at random within a pool."""
+    still mixes users drawn at random within a pool.
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int, generator: torch.Generator):
+    Each epoch's order is drawn from ``seed`` and the epoch alone: Lightning calls ``set_epoch`` on a
+    loader's sampler at each epoch's start, so a resumed fit draws the orders the uninterrupted one did (a
+    generator carried from epoch to epoch restarted at the resume). Where nothing calls ``set_epoch`` (on
+    several ranks Lightning wraps the sampler, and calls the wrapper's) the epoch counts the orders drawn."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, pool_batches: int, seed: int = 0):
         self.lengths, self.batch_size, self.pool = list(lengths), batch_size, batch_size * pool_batches
-        self.generator = generator
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __iter__(self):
-        order = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1  # the next order's, unless set_epoch says otherwise
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
         keep = len(order) - len(order) % self.batch_size
         order, rest = order[:keep], order[keep:]  # the remainder: random samples, not a pool's longest
         batches = []
         for start in range(0, len(order), self.pool):
             pool = sorted(order[start : start + self.pool], key=self.lengths.__getitem__)
             batches.extend(pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size))
-        for b in torch.randperm(len(batches), generator=self.generator).tolist():
+        for b in torch.randperm(len(batches), generator=generator).tolist():
             yield from batches[b]
         yield from rest
 
@@ -308,7 +318,7 @@ class HistoryDataModule(pl.LightningDataModule):
         order = dict(shuffle=True, generator=generator)
         if self.length_buckets:
             lengths = [len(h.items) for h in self.train_histories]
-            order = dict(sampler=LengthBuckets(lengths, self.batch_size, self.length_buckets, generator))
+            order = dict(sampler=LengthBuckets(lengths, self.batch_size, self.length_buckets, self.seed))
         return DataLoader(
             _ListDataset(self.train_histories),
             batch_size=self.batch_size,
