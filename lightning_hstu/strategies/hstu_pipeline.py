@@ -305,7 +305,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        _record_mid_epoch_shares(self.lightning_module.trainer, checkpoint)
+        _record_mid_epoch_shares(getattr(self.lightning_module, "_trainer", None), checkpoint)
         with self._step_timeout_paused():  # writing a checkpoint may rightly take longer than a step
             if not sharded_checkpoint.holds_sharded(checkpoint):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -476,7 +476,7 @@ def _record_mid_epoch_shares(trainer: Any, checkpoint: dict[str, Any]) -> None:
     """A checkpoint saved inside an epoch by Lightning's own loop (``engine=False``) records what the engine's
     loop records (``EngineEpochLoop.on_save_checkpoint``): the train loaders' batch sizes and the number of
     ranks, which a mid-epoch resume under the engine checks before it skips the batches trained."""
-    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+    state = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.state_dict")
     loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
     if state is None or loader is None or "hstu_batch_sizes" in state:
         return
