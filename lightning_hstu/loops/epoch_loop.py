@@ -209,9 +209,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
         resumed_here = False
         if self.restarting and self._should_check_val_fx(data_fetcher):
             if self.val_loop.restarted_mid_evaluation or self.restarted_on_last:
-                # finish the interrupted validation (or skip the one already done), as Lightning would
-                # as Lightning's advance: an interrupted validation is finished even when the checkpoint was
-                # also saved on the epoch's last batch (both flags set)
+                # finish the interrupted validation, or skip the one already done, as Lightning's advance does:
+                # an interrupted one is finished even when the checkpoint was also taken at the epoch's last batch
                 self._skip_next_val = self.restarted_on_last and not self.val_loop.restarted_mid_evaluation
                 try:
                     self.on_advance_end(data_fetcher)
