@@ -85,7 +85,8 @@ def _check_checkpoint_model(config) -> None:
             saved = torch.load(file, weights_only=True, map_location="cpu", mmap=True)
     except Exception:  # noqa: BLE001 (not readable so: the load itself reports it, as it would without this check)
         return
-    saved = saved.get("hyper_parameters", {}).get("_class_path")
+    hparams = saved.get("hyper_parameters") if isinstance(saved, dict) else None
+    saved = hparams.get("_class_path") if isinstance(hparams, dict) else None
     if saved is not None and saved != wanted:
         raise CheckpointError(
             f"--ckpt_path {ckpt_path} is a checkpoint of {saved}, the config's model is {wanted}: give the "

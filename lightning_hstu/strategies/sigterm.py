@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class SigtermNotice:
     """The SIGTERM handler the strategy puts in place of Lightning's ``_sigterm_notifier_fn``.
 
-    ``agreed``: the ranks decide together between steps (``take``); otherwise the signal sets the trainer's
+    ``agreed``: the ranks decide together between steps (``stop``); otherwise the signal sets the trainer's
     ``received_sigterm`` at once."""
 
     def __init__(self, trainer: Any, agreed: bool) -> None:
