@@ -7,6 +7,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 
 class EpochBatches:
@@ -51,7 +52,7 @@ class EpochBatches:
 
     def batch_sizes(self) -> list[int | None]:
         """Each train loader's batch size (None where a batch sampler decides it)."""
-        return [getattr(loader, "batch_size", None) for loader in self._fetcher.combined_loader.flattened]
+        return batch_sizes(self._fetcher.combined_loader)
 
     def describe(self) -> str:
         """The loaders, named for a report: ``train dataloader (DataLoader of MyDataset)``."""
@@ -105,6 +106,22 @@ class EpochBatches:
         self._states[produced] = self._fetcher.combined_loader._state_dicts()
         for old in [n for n in self._states if n < produced - self._keep_states]:
             del self._states[old]
+
+
+def batch_sizes(loaders: CombinedLoader) -> list[int | None]:
+    """Each of ``loaders``' batch size (None where a batch sampler decides it)."""
+    return [getattr(loader, "batch_size", None) for loader in loaders.flattened]
+
+
+def record_shares(state: dict[str, Any], sizes: list[int | None], world_size: int) -> None:
+    """Put into an epoch loop's checkpoint state what a mid-epoch resume checks before it skips the batches
+    trained (``EngineEpochLoop._check_resume``): the train loaders' batch sizes and the number of ranks."""
+    state[BATCH_SIZES_KEY] = sizes
+    state[WORLD_SIZE_KEY] = world_size
+
+
+BATCH_SIZES_KEY = "hstu_batch_sizes"
+WORLD_SIZE_KEY = "hstu_world_size"
 
 
 def _warn_untrained(index: int) -> None:

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from ..engine import Engine, StepResult, TaskRecord
-from .epoch_batches import EpochBatches
+from .epoch_batches import BATCH_SIZES_KEY, WORLD_SIZE_KEY, EpochBatches, record_shares
 from .errors import CheckpointError
 from .lightning_tasks import LightningTasks, TrainBatch
 from .step_context import StepContext
@@ -352,15 +352,14 @@ class EngineEpochLoop(_TrainingEpochLoop):
     def on_save_checkpoint(self) -> dict:
         state = super().on_save_checkpoint()
         if self._batches is not None:  # mid-epoch: a resume skips what was trained, counted in batches
-            state["hstu_batch_sizes"] = self._batches.batch_sizes()
-            state["hstu_world_size"] = self.trainer.world_size
+            record_shares(state, self._batches.batch_sizes(), self.trainer.world_size)
         return state
 
     @override
     def on_load_checkpoint(self, state_dict: dict) -> None:
         super().on_load_checkpoint(state_dict)
-        self._saved_batch_sizes = state_dict.get("hstu_batch_sizes")
-        self._saved_world_size = state_dict.get("hstu_world_size")
+        self._saved_batch_sizes = state_dict.get(BATCH_SIZES_KEY)
+        self._saved_world_size = state_dict.get(WORLD_SIZE_KEY)
 
     def loader_state_to_save(self) -> list[dict[str, Any]] | None:
         """During an epoch, or after an exception ended it: the loader state from before the oldest batch not

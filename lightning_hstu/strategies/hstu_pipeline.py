@@ -20,6 +20,7 @@ from ..engine.affinity import ThreadPin, check_pin_threads, core_for
 from ..hstu.presets import DEFAULT_PRESET, PRESET_NAMES, resolve_plan
 from ..hstu.sparse import TABLES_AHEAD
 from ..hstu.tasks import GRAPH_TASKS
+from ..loops.epoch_batches import BATCH_SIZES_KEY, batch_sizes, record_shares
 from ..loops.errors import CheckpointError
 from ..plan import PlanError
 from . import process_groups, sharded_checkpoint, sigterm
@@ -478,12 +479,11 @@ def _record_mid_epoch_shares(trainer: Any, checkpoint: dict[str, Any]) -> None:
     ranks, which a mid-epoch resume under the engine checks before it skips the batches trained."""
     state = (checkpoint.get("loops") or {}).get("fit_loop", {}).get("epoch_loop.state_dict")
     loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    if state is None or loader is None or "hstu_batch_sizes" in state:
+    if state is None or loader is None or BATCH_SIZES_KEY in state:
         return
     ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
     if 0 < ready < trainer.num_training_batches:
-        state["hstu_batch_sizes"] = [getattr(dl, "batch_size", None) for dl in loader.flattened]
-        state["hstu_world_size"] = trainer.world_size
+        record_shares(state, batch_sizes(loader), trainer.world_size)
 
 
 def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
