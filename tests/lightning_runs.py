@@ -33,8 +33,18 @@ class RecordingLogger(Logger):
         pass
 
 
-def fit(strategy, *, model_cls=ToyRecommender, model_kwargs=None, data_kwargs=None, ckpt_path=None, **trainer_kwargs):
-    """Train a fresh model, made after seeding (12 batches an epoch by default); return (model, trainer)."""
+def fit(
+    strategy,
+    *,
+    model_cls=ToyRecommender,
+    model_kwargs=None,
+    data_cls=ToyDataModule,
+    data_kwargs=None,
+    ckpt_path=None,
+    **trainer_kwargs,
+):
+    """Train a fresh model, made after seeding, on ``data_cls(**data_kwargs)`` (the toy data: 12 batches an
+    epoch by default); return (model, trainer)."""
     pl.seed_everything(0, verbose=False)
     model = model_cls(**(model_kwargs or {}))
     options = {
@@ -46,7 +56,7 @@ def fit(strategy, *, model_cls=ToyRecommender, model_kwargs=None, data_kwargs=No
         **trainer_kwargs,
     }
     trainer = pl.Trainer(strategy=strategy, **options)
-    trainer.fit(model, ToyDataModule(**(data_kwargs or {})), ckpt_path=ckpt_path)
+    trainer.fit(model, data_cls(**(data_kwargs or {})), ckpt_path=ckpt_path)
     return model, trainer
 
 

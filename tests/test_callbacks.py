@@ -4,19 +4,17 @@ import json
 import threading
 from collections import Counter, defaultdict
 
-import lightning.pytorch as pl
 import nvtx
 import pytest
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_runs import QUIET, RecordingLogger, fit
+from lightning_runs import RecordingLogger, fit
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
 from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
 from lightning_hstu.cli import main
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
-from lightning_hstu.models.toy import ToyRecommender
 
 
 @pytest.fixture
@@ -262,17 +260,14 @@ def test_fit_summary_counts_the_samples_of_each_fit_it_times(capsys):
             n = 40 if self.trainer.current_epoch == 0 else 120
             return DataLoader(TensorDataset(self.items[:n], self.ratings[:n]), batch_size=8)
 
-    trainer = pl.Trainer(
-        strategy=HSTUPipelineStrategy("default_d6"),
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
+    fit(
+        HSTUPipelineStrategy("default_d6"),
+        data_cls=Growing,
+        data_kwargs=dict(num_samples=128),
+        callbacks=[FitSummary()],
         limit_val_batches=0,
         reload_dataloaders_every_n_epochs=1,
-        callbacks=[FitSummary()],
-        **QUIET,
     )
-    trainer.fit(ToyRecommender(), Growing(num_samples=128))
     assert "trained 160 samples in 2 epochs" in capsys.readouterr().out
 
 
