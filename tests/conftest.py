@@ -1,5 +1,6 @@
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,25 @@ def no_process_group_without_a_cpu_backend():
     backends = default_group_backends()
     if backends and "cpu" not in backends:
         torch.distributed.destroy_process_group()
+
+
+WRITTEN_BY_LIGHTNING = ("checkpoints", "lightning_logs")
+"""What Lightning writes under its ``default_root_dir``, the working directory unless a test gives one."""
+
+
+@pytest.fixture(autouse=True)
+def nothing_written_to_the_working_directory():
+    """Fails the test that leaves a checkpoint folder or a log folder in the working directory (a fit with
+    checkpointing on and no ``default_root_dir``): a test's files belong under its ``tmp_path``."""
+    before = {name: _entries(Path(name)) for name in WRITTEN_BY_LIGHTNING}
+    yield
+    for name, entries in before.items():
+        new = _entries(Path(name)) - entries
+        assert not new, f"the test wrote {sorted(new)[:3]} under {Path(name).resolve()}; give it a tmp_path"
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
 
 
 @pytest.fixture

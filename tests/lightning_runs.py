@@ -1,5 +1,7 @@
 """Fitting the toy recommender under a strategy, quietly, and comparing runs."""
 
+import tempfile
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
@@ -15,6 +17,10 @@ QUIET = dict(
     enable_model_summary=False,
     num_sanity_val_steps=0,
 )
+
+_SCRATCH = tempfile.TemporaryDirectory(prefix="lightning-runs-")
+"""Where a fit writes what it is not told to write elsewhere (Lightning's default checkpoint callback saves
+under ``default_root_dir``, the working directory unless given): removed at the end of the process."""
 
 
 class RecordingLogger(Logger):
@@ -53,6 +59,7 @@ def fit(
         "devices": 1,
         "max_epochs": 2,
         "use_distributed_sampler": False,
+        "default_root_dir": tempfile.mkdtemp(dir=_SCRATCH.name),
         **trainer_kwargs,
     }
     trainer = pl.Trainer(strategy=strategy, **options)

@@ -306,6 +306,7 @@ def test_a_checkpoint_with_the_tables_a_batch_ahead_is_refused_for_training_on(e
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=2,
+            default_root_dir=tmp_path,
             **kwargs,
         )
 
