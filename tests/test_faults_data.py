@@ -372,3 +372,16 @@ def test_a_ranking_head_smaller_than_the_data_s_actions_is_refused():
     ):
         fit_hstu(data=TenActions(bad_item=2))
     fit_hstu(model_kwargs={"num_actions": 10}, data=TenActions(bad_item=2))  # as the message says
+
+
+class ListHistories(CraftedHistories):
+    def load(self):
+        return [History(h.user, list(h.items), list(h.actions), list(h.times)) for h in super().load()]
+
+
+def test_histories_of_lists_are_refused_at_setup_naming_the_user_and_the_field():
+    """``History.last`` adds a history's cut items to its ``earlier`` tuple: items as a list stopped the setup in
+    that addition (``can only concatenate tuple (not "list") to tuple``), items as a numpy array in numpy's
+    broadcasting, neither naming the history nor what it should be."""
+    with pytest.raises(TypeError, match=r"user 1's history has its items as a list: History takes tuples"):
+        ListHistories(bad_item=2).setup()

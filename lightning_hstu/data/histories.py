@@ -45,10 +45,18 @@ class History:
 
 
 def check_histories(histories: Sequence[History]) -> None:
-    """Refuse histories the tables and the evaluation would read wrongly, naming the user: ``IdError`` for an
-    item or user id below 1 (ids count from 1; 0 means none: a padding id, a missing target, a filler user)
-    or an action below 0; ``ValueError`` for events without one item, one action and one time each."""
+    """Refuse histories the tables and the evaluation would read wrongly, naming the user: ``TypeError`` for
+    fields that are not tuples (``History.last`` and the evaluation add them to the ``earlier`` tuple);
+    ``IdError`` for an item or user id below 1 (ids count from 1; 0 means none: a padding id, a missing target,
+    a filler user) or an action below 0; ``ValueError`` for events without one item, one action and one time
+    each."""
     for h in histories:
+        for field in ("items", "actions", "times", "earlier"):
+            if not isinstance(getattr(h, field), tuple):
+                raise TypeError(
+                    f"user {h.user}'s history has its {field} as a {type(getattr(h, field)).__name__}: History "
+                    f"takes tuples (tuple(...) in load())"
+                )
         if not len(h.items) == len(h.actions) == len(h.times):
             raise ValueError(
                 f"user {h.user}'s history has {len(h.items)} items, {len(h.actions)} actions and {len(h.times)} "
