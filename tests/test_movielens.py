@@ -126,3 +126,18 @@ def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
     again = LengthBuckets(lengths, batch_size=10, pool_batches=5, seed=0)
     again.set_epoch(1)
     assert list(again) == second
+
+
+@pytest.mark.parametrize("events, usable", [(6, 5), (3, 0)], ids=["5 users to train on", "none"])
+def test_too_few_users_for_one_training_batch_is_an_error_not_a_fit_that_trains_nothing(tmp_path, events, usable):
+    """Training batches are whole (drop_last): 5 users under batch_size=8 made no batch, and a fit stopped at
+    once ('No training batches', a log line), its test then measuring the untrained model."""
+    ratings = "".join(
+        f"{user}::{100 + k}::{1 + k % 5}::{1000 * user + k}\n" for user in range(1, 6) for k in range(events)
+    )
+    (tmp_path / "ratings.dat").write_text(ratings)
+    data = MovieLens("ml-1m", root=str(tmp_path), batch_size=8)
+    with pytest.warns(UserWarning, match="holds"):
+        data.setup()
+    with pytest.raises(ValueError, match=f"{usable} of the 5 users have the 4 events .* batch_size=8"):
+        data.train_dataloader()

@@ -322,6 +322,7 @@ class HistoryDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # drop_last: the balanced shuffler exchanges fixed-size pieces between ranks
+        self._check_one_batch()
         generator = torch.Generator().manual_seed(self.seed)
         order = dict(shuffle=True, generator=generator)
         if self.length_buckets:
@@ -336,6 +337,19 @@ class HistoryDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
         )  # pinned: the h2d copy can be asynchronous
+
+    def _check_one_batch(self) -> None:
+        """Refuse training data that makes no whole batch: Lightning would stop the fit at once, with a log
+        line, and what came after it (a test, a report) would measure the untrained model."""
+        usable = len(self.train_histories)
+        if usable >= self.batch_size:
+            return
+        fix = f"set batch_size to at most {usable}" if usable else "give users at least 4 events"
+        raise ValueError(
+            f"{usable} of the {len(self.latest)} users have the 4 events leave-two-out needs to train on one, "
+            f"fewer than batch_size={self.batch_size}: training batches are whole (drop_last), so there would be "
+            f"none; {fix}"
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self._evaluation_loader(self.validation)
