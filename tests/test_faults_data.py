@@ -385,3 +385,15 @@ def test_histories_of_lists_are_refused_at_setup_naming_the_user_and_the_field()
     broadcasting, neither naming the history nor what it should be."""
     with pytest.raises(TypeError, match=r"user 1's history has its items as a list: History takes tuples"):
         ListHistories(bad_item=2).setup()
+
+
+class NoEvents(HistoryDataModule):
+    def load(self):
+        return [History(1, (), (), ())]
+
+
+def test_a_load_with_no_events_is_refused_naming_the_data_module():
+    """The table sizes are the data's largest ids: with no event the setup stopped at 'max() iterable argument
+    is empty'."""
+    with pytest.raises(ValueError, match=r"NoEvents.load\(\) returned 1 histories and no event"):
+        NoEvents().setup()

@@ -302,6 +302,8 @@ class HistoryDataModule(pl.LightningDataModule):
             return
         histories = self.load()
         check_histories(histories)
+        if not any(h.items for h in histories):  # the tables are sized by the largest ids
+            raise ValueError(f"{type(self).__name__}.load() returned {len(histories)} histories and no event")
         self.num_items = max(i for h in histories for i in h.items)
         self.num_users = max(h.user for h in histories)
         self.num_actions = max(a for h in histories for a in h.actions) + 1
