@@ -58,6 +58,13 @@ def test_the_most_popular_baseline_ranks_by_training_counts():
     assert means["unseen"]["HR@1"] == 0.5 and means["all"]["MRR"] == pytest.approx((1 / 2 + 1 / 3) / 2)
 
 
+def test_the_most_popular_baseline_of_an_unknown_stage_names_the_valid_ones():
+    data = SyntheticHistories(num_users=8, num_items=30, max_seq_len=20, batch_size=2)
+    data.setup()
+    with pytest.raises(ValueError, match="unknown stage 'validation'; valid: val, test"):  # was KeyError: 'validation'
+        data.most_popular("validation")
+
+
 def test_ties_and_nan_scores_rank_above_the_held_out_item():
     """A model that scores every item alike, or diverged to NaN, gets the worst ranks, not the best."""
     history, lengths = torch.tensor([1, 1]), torch.tensor([1, 1, 0, 0])

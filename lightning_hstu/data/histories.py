@@ -396,7 +396,10 @@ class HistoryDataModule(pl.LightningDataModule):
     def most_popular(self, stage: str = "test") -> dict[str, dict[str, float]]:
         """The most-popular baseline's ``data.evaluation`` metrics on the ``val`` or ``test`` items:
         items scored by their count in the training histories."""
-        pairs = {"val": self.validation, "test": self.test}[stage]
+        stages = {"val": self.validation, "test": self.test}
+        if stage not in stages:
+            raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(stages)}")
+        pairs = stages[stage]
         train = [h.items for h in self.train_histories]
         return mean_metrics(most_popular_ranks(train, pairs, self.num_items))
 
