@@ -2,7 +2,7 @@
 
 import json
 import threading
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 import nvtx
 import pytest
@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_runs import RecordingLogger, fit
 
-from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, get_plan
+from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, TaskRecord, get_plan
 from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
 from lightning_hstu.cli import main
 from lightning_hstu.data.toy import ToyDataModule
@@ -277,3 +277,17 @@ def test_timing_logs_once_per_logged_step_under_gradient_accumulation():
     fit(HSTUPipelineStrategy("default_d6"), callbacks=[timing], max_epochs=1, accumulate_grad_batches=3, logger=logger)
     steps = [step for step, metrics in logger.rows if any(key.startswith("timing/") for key in metrics)]
     assert steps == [0, 2, 4]  # 12 batches, an optimizer step every 3: [0, 0, 2, 2, 2, 4] before
+
+
+def test_timing_without_logging_keeps_no_more_than_max_records():
+    """``log_every_n_steps=0`` logs nothing: the callback must still hold only the last ``max_records`` task
+    records, however long the fit (it kept every record of the fit besides them before)."""
+    timing = TaskTimingCallback(log_every_n_steps=0, print_table=False, max_records=20)
+    fit(HSTUPipelineStrategy("default_d6"), callbacks=[timing], max_epochs=2)
+    held = sum(
+        isinstance(item, TaskRecord)
+        for value in vars(timing).values()
+        if isinstance(value, list | deque)
+        for item in value
+    )
+    assert held == 20

@@ -64,7 +64,8 @@ class TaskTimingCallback(Callback):
         self._read_device_times(wait=False)
         records = list(getattr(trainer.strategy, "step_records", ()))
         self.records.extend(records)
-        self._window.extend(records)
+        if self.log_every_n_steps:  # the window is emptied only where it is logged
+            self._window.extend(records)
         step = trainer.global_step  # under accumulate_grad_batches several batches end at one step: log it once
         if self.log_every_n_steps and step % self.log_every_n_steps == 0 and step != self._logged_step and self._window:
             self._logged_step = step
