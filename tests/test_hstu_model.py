@@ -135,6 +135,20 @@ def test_the_watchdog_can_skip_the_step_instead():
     assert all(torch.isfinite(v).all() for v in model.embeddings.local_weights().values())  # no NaN reached the tables
 
 
+@pytest.mark.usefixtures("no_thread_left")
+def test_skip_at_the_last_batch_of_an_accumulation_window_still_applies_the_windows_finite_batches():
+    """Under accumulate_grad_batches=4 batch 3 ends the first window: its non-finite loss adds an exact zero to
+    the sum of batches 0-2, and the window's dense step applies those (as it does when the non-finite batch is
+    inside the window); before, their dense gradients were dropped with it."""
+    weights = DenseWeights()
+    model, trainer, _ = fit_hstu(
+        SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[weights], accumulate_grad_batches=4
+    )
+    assert model.skipped_batches == [3]
+    assert not any(torch.equal(a, b) for a, b in zip(weights.after[2], weights.after[3]))  # the window's step
+    assert all(torch.isfinite(p).all() for p in model.objectives.parameters())
+
+
 def _global_token_loss(rank, world):
     """Each rank scores half of a global batch; the mean of the rank losses must be the loss of the whole."""
     data = small_data()

@@ -164,6 +164,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         self.skipped_batches: list[int] = []
         """Batches whose step was skipped because a rank's loss was not finite."""
         self._nonfinite: set[int] = set()
+        self._last_finite: tuple[int, int] | None = None
+        """(epoch, batch) of the latest finite loss under "raise" and "skip"."""
         self._finite_flags: dict[int, torch.Tensor] = {}
         """``on_nonfinite_loss="stop"``: each step's finite flag, on the device, until the watchdog reads it."""
         self._graphed: GraphedMethod | None = None
@@ -300,9 +302,19 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     def _finalize_grads(self, index: int) -> None:
         self.dense_grads.finalize()
-        if index in self._nonfinite:
+        if index in self._nonfinite and not self._finite_in_window(index):
             for p in self.objectives.parameters():
                 p.grad = None  # no dense step either: the optimizer skips parameters without gradients
+
+    def _finite_in_window(self, index: int) -> bool:
+        """Whether a batch before ``index`` in the accumulation window that ``index`` ends had a finite loss: its
+        gradients are in the window's sum (a non-finite batch's are an exact zero), so the dense step applies
+        them, as it does when the non-finite batch is not the window's last."""
+        if self._last_finite is None:
+            return False
+        epoch, batch = self._last_finite
+        first = index - index % self.trainer.accumulate_grad_batches  # Lightning's windows start at these batches
+        return epoch == self.current_epoch and first <= batch < index
 
     def _watch(self, index: int) -> None:
         flag = self._finite_flags.pop(index, None)
@@ -445,6 +457,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             return loss
         finite = bool(torch.isfinite(loss))
         if step.all_ranks(finite) if step is not None else self.trainer.strategy.reduce_boolean_decision(finite):
+            self._last_finite = (self.current_epoch, batch_idx)
             return loss
         self._nonfinite.add(batch_idx)
         zero = sum(p.sum() for p in self.objectives.parameters()) * 0.0
