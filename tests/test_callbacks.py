@@ -11,7 +11,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_runs import RecordingLogger, fit
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy, TaskRecord, get_plan
-from lightning_hstu.callbacks import GanttCallback, NVTXCallback, TaskTimingCallback, TraceCallback
+from lightning_hstu.callbacks import (
+    CollectiveInventoryCallback,
+    GanttCallback,
+    NVTXCallback,
+    TaskTimingCallback,
+    TraceCallback,
+)
 from lightning_hstu.cli import main
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.hstu.tasks import HSTU_TASK_NAMES
@@ -291,3 +297,17 @@ def test_timing_without_logging_keeps_no_more_than_max_records():
         for item in value
     )
     assert held == 20
+
+
+def test_the_collective_inventory_counts_a_second_fits_batches_from_its_start(tmp_path):
+    """As the trace and the timing table, the chosen batch is counted from the start of each fit: a second
+    fit of the Trainer records its own batch 2 (it went on counting from the first fit's 12 and recorded
+    nothing before)."""
+    inventory = CollectiveInventoryCallback(batch=2, path=None, print_table=False, trace_dir=str(tmp_path))
+    _, trainer = fit(HSTUPipelineStrategy("default_d6"), callbacks=[inventory], max_epochs=1)
+    recorded = tmp_path / "collectives_batch2_rank0.json"
+    assert recorded.exists()
+    recorded.unlink()
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(trainer.lightning_module, ToyDataModule())
+    assert recorded.exists()

@@ -79,6 +79,9 @@ class CollectiveInventoryCallback(Callback):
     def setup(self, trainer, pl_module, stage):
         observe_engine(trainer, self)
 
+    def on_fit_start(self, trainer, pl_module):
+        self._seen = 0  # a second fit of the Trainer: its own batches, not counted on from the first fit's
+
     # ----- around each task of the chosen step, on its thread ---------------------------------------
 
     def task_started(self, task: PlanTask, batch: int, step: int, thread: str) -> None:
