@@ -39,6 +39,7 @@ def run_lightning_cli(argv: list[str] | None):
     from lightning.pytorch.cli import LightningCLI
 
     from . import known_warnings  # noqa: F401
+    from .strategies import HSTUPipelineStrategy
 
     class FitThenTestCLI(LightningCLI):
         """``fit`` ends with one ``trainer.test`` when a ``RankingReport`` callback is configured: that
@@ -47,6 +48,27 @@ def run_lightning_cli(argv: list[str] | None):
         def _parse_ckpt_path(self) -> None:
             _check_checkpoint_model(self.config)
             super()._parse_ckpt_path()
+
+        def before_instantiate_classes(self) -> None:
+            self.strategy_error: PlanError | None = None
+            self.parser.add_instantiator(self._strategy, HSTUPipelineStrategy)
+
+        def _strategy(self, cls, *args, **kwargs):
+            try:
+                return cls(*args, **kwargs)
+            except PlanError as error:
+                self.strategy_error = error
+                raise
+
+        def instantiate_classes(self) -> None:
+            """A ``PlanError`` of the config's strategy (a mistyped ``init_args.preset``) is raised as itself:
+            jsonargparse reports it inside a ValueError of its own that quotes every argument of the strategy."""
+            try:
+                super().instantiate_classes()
+            except ValueError:
+                if self.strategy_error is None:
+                    raise
+                raise self.strategy_error from None
 
         def after_fit(self) -> None:
             from .callbacks import RankingReport
