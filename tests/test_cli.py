@@ -165,6 +165,27 @@ def test_fit_takes_the_strategy_by_name_on_the_command_line(tmp_path):
     assert cli.trainer.global_step == 16
 
 
+def test_a_class_path_strategy_sets_the_process_groups_timeout_from_step_timeout(tmp_path):
+    """LightningCLI passes every default of a ``class_path`` strategy, DDPStrategy's ``timeout`` (30 min)
+    among them, which the strategy took as given: 30 min whatever ``step_timeout`` (shorter than a step
+    timeout of an hour), where ``--trainer.strategy=hstu_default_d6`` had 21 min."""
+    from datetime import timedelta
+
+    from lightning_hstu.cli import run_lightning_cli
+
+    def process_group_timeout(*args: str) -> timedelta:
+        cli = run_lightning_cli(
+            ["fit", "--config", str(EXAMPLE), f"--trainer.default_root_dir={tmp_path}", *QUIET_CLI, *args]
+        )
+        return cli.trainer.strategy.process_group_timeout
+
+    fit = ("--trainer.max_steps=1", "--trainer.limit_val_batches=0")
+    assert process_group_timeout(*fit) == timedelta(seconds=1260)
+    assert process_group_timeout(*fit, "--trainer.strategy=hstu_default_d6") == timedelta(seconds=1260)
+    assert process_group_timeout(*fit, "--trainer.strategy.init_args.step_timeout=3600") == timedelta(seconds=7260)
+    assert process_group_timeout(*fit, "--trainer.strategy.init_args.timeout=0:05:00") == timedelta(minutes=5)
+
+
 def test_fit_with_an_unknown_preset_name_lists_the_valid_ones(capsys, tmp_path):
     code, _, err = run_cli(
         capsys,

@@ -85,6 +85,10 @@ class HSTUPipelineStrategy(DDPStrategy):
             None leaves threads where the operating system puts them). Their Python hands the GIL over
             within one core's caches (measured in BENCHMARKS.md, "The step's threads on one core"). For GPU
             training: on a CPU device the step's compute runs on these threads too.
+        timeout: the process groups' timeout (Lightning's ``DDPStrategy``'s); None: as ``step_timeout`` says,
+            Lightning's default without one. A parameter here, not one of ``**ddp_kwargs``, so that its default
+            is None in a LightningCLI config too, which passes every default of a ``class_path`` strategy
+            (``DDPStrategy``'s: 30 min).
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (its own arguments, and torch
             ``DistributedDataParallel``'s, which it passes on); any other name raises ``TypeError``.
 
@@ -105,6 +109,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         step_timeout: float | None = 600.0,
         engine: bool = True,
         pin_threads: int | list[int] | None = None,
+        timeout: timedelta | None = None,
         **ddp_kwargs: Any,
     ):
         _check_ddp_kwargs(ddp_kwargs)
@@ -112,8 +117,10 @@ class HSTUPipelineStrategy(DDPStrategy):
         self.pin_threads = check_pin_threads(pin_threads)
         if self.pin_threads is not None and not engine:
             raise ValueError("pin_threads needs engine=True: it places the engine's threads and the caller's")
-        if step_timeout is not None and ddp_kwargs.get("timeout") is None:
-            ddp_kwargs["timeout"] = process_groups.process_group_timeout(step_timeout)
+        if timeout is None and step_timeout is not None:
+            timeout = process_groups.process_group_timeout(step_timeout)
+        if timeout is not None:
+            ddp_kwargs["timeout"] = timeout
         super().__init__(**ddp_kwargs)
         if capture_graphs and not engine:
             raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
