@@ -46,6 +46,7 @@ def run_lightning_cli(argv: list[str] | None):
         callback has put the best validation epoch's weights back, and prints the test report."""
 
         def _parse_ckpt_path(self) -> None:
+            _check_checkpoint_exists(self.config)
             _check_checkpoint_model(self.config)
             super()._parse_ckpt_path()
 
@@ -81,6 +82,21 @@ def run_lightning_cli(argv: list[str] | None):
     )
 
 
+def _check_checkpoint_exists(config) -> None:
+    """Refuse a ``--ckpt_path`` that is not there before anything is set up (Lightning raises
+    ``FileNotFoundError`` once the process group and the data are). Lightning's own names for a checkpoint
+    it finds (``best``, ``last``, ``hpc``, ``registry[:...]``) and remote paths (``s3://...``) are left to it."""
+    subcommand = config.get("subcommand")
+    ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
+    if not ckpt_path:
+        return
+    ckpt_path = str(ckpt_path)
+    if ckpt_path in ("best", "last", "hpc") or ckpt_path.lower().startswith("registry") or "://" in ckpt_path:
+        return
+    if not Path(ckpt_path).exists():
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: no such file or directory")
+
+
 def _check_checkpoint_model(config) -> None:
     """Refuse ``--ckpt_path`` of another model class than the config's: Lightning's CLI reads a checkpoint
     file's hyper-parameters, its model's class included, over the config, so an HSTU config given a SASRec
@@ -101,7 +117,7 @@ def _check_checkpoint_model(config) -> None:
     path = Path(ckpt_path)
     file = path / LIGHTNING_FILE if path.is_dir() else path
     if not file.is_file():
-        return  # Lightning names a missing checkpoint
+        return  # a folder without that file: Lightning reports it
     try:
         with torch.serialization.safe_globals(_TRAINER_STATE_GLOBALS):  # runs no code of the file
             saved = torch.load(file, weights_only=True, map_location="cpu", mmap=True)

@@ -301,6 +301,24 @@ def test_a_checkpoint_of_another_model_class_is_refused_naming_both(capsys, tmp_
         )
 
 
+def test_a_checkpoint_path_that_does_not_exist_exits_2_naming_it(capsys, tmp_path):
+    """Lightning's FileNotFoundError came as a traceback, once the process group and the data were set up."""
+    missing = tmp_path / "version_0" / "checkpoints" / "best.ckpt"
+    for subcommand in ("fit", "validate"):
+        code, _, err = run_cli(
+            capsys,
+            subcommand,
+            "--config",
+            str(EXAMPLE),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--ckpt_path",
+            str(missing),
+            *QUIET_CLI,
+        )
+        assert code == 2
+        assert f"lightning-hstu: error: --ckpt_path {missing}: no such file or directory" in err
+
+
 def test_help_lists_every_subcommand_and_a_typo_names_them(capsys):
     """Only presets and demo were listed: ``lightning-hstu fitt`` said "choose from 'presets', 'demo'"."""
     with pytest.raises(SystemExit):
