@@ -219,6 +219,28 @@ def test_fit_with_an_unknown_preset_in_init_args_lists_the_valid_ones(tmp_path):
     assert "Traceback" not in result.stderr  # jsonargparse's, around a ValueError quoting every argument, before
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["engine=false", "capture_graphs=true"], "capture_graphs=True needs engine=True"),
+        (["engine=false", "pin_threads=0"], "pin_threads needs engine=True"),
+        (["pin_threads=-1"], "pin_threads must be None, a CPU core (an int >= 0) or a list of cores"),
+    ],
+)
+def test_conflicting_or_bad_strategy_options_in_a_config_exit_2_with_one_line(capsys, tmp_path, options, message):
+    """A ValueError of the strategy came inside jsonargparse's, as a traceback quoting every argument."""
+    code, _, err = run_cli(
+        capsys,
+        "fit",
+        "--config",
+        str(EXAMPLE),
+        *(f"--trainer.strategy.init_args.{option}" for option in options),
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert code == 2
+    assert f"lightning-hstu: error: {message}" in err
+
+
 KNOWN_NOTICES = (
     "TopologyFactory",
     "HeuristicalStorageReservation",

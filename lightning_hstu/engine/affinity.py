@@ -12,10 +12,12 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
+from ..plan import PlanError
+
 
 def check_pin_threads(value: object) -> int | tuple[int, ...] | None:
     """``pin_threads`` as given to the strategy: None, a core, or one core per process of a machine (local
-    rank ``i`` takes the ``i``-th); anything else raises ``ValueError`` naming it."""
+    rank ``i`` takes the ``i``-th); anything else raises ``PlanError`` (a ``ValueError``) naming it."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -27,7 +29,7 @@ def check_pin_threads(value: object) -> int | tuple[int, ...] | None:
         and all(isinstance(core, int) and not isinstance(core, bool) and core >= 0 for core in value)
     ):
         return tuple(value)
-    raise ValueError(
+    raise PlanError(
         f"pin_threads must be None, a CPU core (an int >= 0) or a list of cores, one per process of a machine; "
         f"got {value!r}"
     )

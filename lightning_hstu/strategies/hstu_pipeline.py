@@ -92,8 +92,9 @@ class HSTUPipelineStrategy(DDPStrategy):
         **ddp_kwargs: passed to Lightning's ``DDPStrategy`` (its own arguments, and torch
             ``DistributedDataParallel``'s, which it passes on); any other name raises ``TypeError``.
 
-    A bad preset, thread map, lookahead or step_timeout raises ``PlanError`` here, i.e. at ``Trainer(...)``;
-    so does an unknown ``strategy="hstu_<name>"``.
+    A bad preset, thread map, lookahead, step_timeout or pin_threads, or capture_graphs or pin_threads without
+    the engine, raises ``PlanError`` (a ``ValueError``) here, i.e. at ``Trainer(...)``; so does an unknown
+    ``strategy="hstu_<name>"``.
     """
 
     strategy_name = "hstu_pipeline"
@@ -116,14 +117,14 @@ class HSTUPipelineStrategy(DDPStrategy):
         step_timeout = check_step_timeout(step_timeout)
         self.pin_threads = check_pin_threads(pin_threads)
         if self.pin_threads is not None and not engine:
-            raise ValueError("pin_threads needs engine=True: it places the engine's threads and the caller's")
+            raise PlanError("pin_threads needs engine=True: it places the engine's threads and the caller's")
         if timeout is None and step_timeout is not None:
             timeout = process_groups.process_group_timeout(step_timeout)
         if timeout is not None:
             ddp_kwargs["timeout"] = timeout
         super().__init__(**ddp_kwargs)
         if capture_graphs and not engine:
-            raise ValueError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
+            raise PlanError("capture_graphs=True needs engine=True: the engine captures the graphs between steps")
         self.use_engine = engine
         self.plan = resolve_plan(
             preset,
