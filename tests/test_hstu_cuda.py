@@ -191,17 +191,22 @@ class FusedGraphs(HSTURecommender):
 
 
 @pytest.mark.parametrize(
-    "preset, compile_layers", [("legacy_none", False), ("full_split_d6", False), ("legacy_none", True)]
+    "preset, compile_layers, history_logit",
+    [("legacy_none", False, False), ("full_split_d6", False, False), ("legacy_none", True, False)]
+    + [("legacy_none", False, True)],
 )
-def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(preset, compile_layers):
+def test_the_fused_dense_part_is_captured_per_token_capacity_and_trains_like_its_eager_self(
+    preset, compile_layers, history_logit
+):
     """Jagged inputs grown to a capacity (a few per power of two): one graph per capacity seen; a batch whose
-    capacity was captured replays it; the weights equal the eager run's."""
+    capacity was captured replays it; the weights equal the eager run's (also with the history logit, whose
+    table of the histories' items the graphs build from the grown target ids)."""
 
     class FusedEager(FusedGraphs):
         warmup = 10**9
 
     eager_use, use = GraphUse(), GraphUse()
-    options = dict(capture_graphs=True, attention="fused", compile_layers=compile_layers)
+    options = dict(capture_graphs=True, attention="fused", compile_layers=compile_layers, history_logit=history_logit)
     eager = train(preset, FusedEager, callbacks=[eager_use], **options)
     graphed = train(preset, FusedGraphs, callbacks=[use], **options)
     assert_close_weights(graphed, eager)

@@ -151,12 +151,18 @@ ITEMS = 12
 """Item ids of the loss tests: few, so that negatives often hit a target."""
 
 
-def objectives_and_inputs(attention, retrieval="sampled"):
+def objectives_and_inputs(attention, retrieval="sampled", history_logit=False):
     from lightning_hstu.models.hstu import HSTUObjectives
 
     torch.manual_seed(0)
     objectives = HSTUObjectives(
-        CONFIG, num_actions=5, temperature=0.05, attention=attention, retrieval=retrieval, ranking_weight=0.5
+        CONFIG,
+        num_actions=5,
+        temperature=0.05,
+        attention=attention,
+        retrieval=retrieval,
+        ranking_weight=0.5,
+        history_logit=history_logit,
     )
     for p in objectives.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -187,10 +193,10 @@ def losses_and_gradients(objectives, inputs, leaves):
     return [retrieval.detach(), ranking.detach(), *(t.grad for t in leaves), *(p.grad for p in objectives.parameters())]
 
 
-def padded_losses(retrieval):
+def padded_losses(retrieval, history_logit=False):
     from lightning_hstu.models.hstu import DenseInputs
 
-    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("padded", retrieval)
+    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("padded", retrieval, history_logit)
     padding = Padding(lengths, len(times), CONFIG.max_seq_len - 1)
     events, targets, user, negatives = leaves
     inputs = DenseInputs(
@@ -207,14 +213,19 @@ def padded_losses(retrieval):
     return objectives, inputs, leaves
 
 
-@pytest.mark.parametrize("retrieval, extra_rows", [("sampled", 0), ("sampled", 9), ("full", 9), ("in_batch", 9)])
-def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows):
+@pytest.mark.parametrize(
+    "retrieval, extra_rows, history_logit",
+    [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
+    + [("sampled", 9, True), ("full", 9, True), ("in_batch", 9, True)],
+)
+def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit):
     """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
-    token capacity (rows past the real events, as graph capture uses)."""
+    token capacity (rows past the real events, as graph capture uses), and with the history logit (its
+    gradient included: it is among the objectives' parameters)."""
     from lightning_hstu.models.hstu import JaggedInputs
 
-    expected = losses_and_gradients(*padded_losses(retrieval))
-    jagged_objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval)
+    expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
+    jagged_objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval, history_logit)
     events, targets, user, negatives = leaves
     grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
     inputs = JaggedInputs(
@@ -245,6 +256,62 @@ def retrieval_by_hand(objectives, inputs, negatives_of):
         logits = torch.nn.functional.normalize(rows, dim=-1) @ query / objectives.temperature
         total = total - torch.log_softmax(logits, 0)[0]
     return total
+
+
+@pytest.mark.parametrize("retrieval", ["full", "sampled"])
+def test_the_history_logit_is_added_to_the_items_a_position_has_read(retrieval):
+    """With the history logit on, each position's softmax adds it (over the temperature) to every scored item
+    that an earlier event of its history holds, the target included when the history holds it already; the
+    item ids are few (12), so histories repeat items."""
+    objectives, inputs, _ = padded_losses(retrieval, history_logit=True)
+    logit = objectives.history_logit.item()
+    assert logit != 0
+
+    def held(b, position, ids):
+        return torch.isin(ids, inputs.target_ids[b, :position]).float() * logit / objectives.temperature
+
+    hidden = objectives.encode(inputs.events, inputs.user, inputs.times, inputs.mask)[:, :-1]
+    total, repeats = 0.0, 0
+    for b, position in inputs.mask.nonzero().tolist():
+        query = torch.nn.functional.normalize(hidden[b, position], dim=-1)
+        target = inputs.target_ids[b, position]
+        repeats += bool(torch.isin(target, inputs.target_ids[b, :position]))
+        if retrieval == "full":
+            ids = torch.arange(1, ITEMS + 1)
+            rows, at = inputs.negatives[1:], int(target) - 1
+        else:
+            kept = inputs.negative_ids[b] != target
+            ids = torch.cat([target[None], inputs.negative_ids[b][kept]])
+            rows, at = torch.cat([inputs.targets[b, position][None], inputs.negatives[b][kept]]), 0
+        logits = torch.nn.functional.normalize(rows, dim=-1) @ query / objectives.temperature + held(b, position, ids)
+        total = total - torch.log_softmax(logits, 0)[at]
+    assert repeats > 0  # some targets are held already: their own logit counts
+    retrieval_loss, _ = objectives.losses(*inputs)
+    torch.testing.assert_close(retrieval_loss, total)
+
+
+def test_on_histories_that_never_return_to_an_item_the_history_logit_is_pushed_down():
+    """Where no target is ever an item its history holds (MovieLens), the retrieval loss grows with the
+    history logit: gradient descent makes it negative, so the history's own items stop scoring first."""
+    objectives, inputs, _ = padded_losses("full", history_logit=True)
+    mask = inputs.mask & (torch.arange(inputs.mask.shape[1]) < ITEMS)  # histories of at most ITEMS events
+    unique = (torch.arange(inputs.mask.shape[1]) % ITEMS + 1).expand_as(mask) * mask  # each of its items once
+    assert all(len(set(row[m].tolist())) == int(m.sum()) > 0 for row, m in zip(unique, mask) if m.any())
+    retrieval, _ = objectives.losses(*inputs._replace(target_ids=unique, mask=mask))
+    (gradient,) = torch.autograd.grad(retrieval, objectives.history_logit)
+    assert gradient.item() > 0
+
+
+def test_the_history_logit_shifts_the_ranking_scores_of_the_history_items_only():
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    objectives, _, _ = padded_losses("full", history_logit=True)
+    scores = torch.randn(3, ITEMS + 1)
+    history = JaggedTensor(values=torch.tensor([2, 5, 5, 7, 1]), lengths=torch.tensor([3, 0, 2]))
+    shifted = objectives.with_history_logit(scores, history) - scores
+    expected = torch.zeros_like(scores)
+    expected[0, [2, 5]] = expected[2, [7, 1]] = objectives.history_logit.item()
+    torch.testing.assert_close(shifted, expected)
 
 
 def test_sampled_negatives_that_hit_the_target_are_left_out():

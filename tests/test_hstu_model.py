@@ -543,3 +543,57 @@ def test_stop_ends_training_at_a_non_finite_loss_after_its_step():
 def test_an_unknown_nonfinite_policy_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="unknown on_nonfinite_loss 'ignore'; valid: raise, skip, stop"):
         HSTURecommender(**SMALL_MODEL, on_nonfinite_loss="ignore")
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_the_history_logit_is_trained_with_the_dense_weights_and_checked_on_load(tmp_path):
+    """HSTURecommender(history_logit=True): the logit is one of the dense parameters (megatron-core's buffers,
+    AdamW) and moves with them; a checkpoint of the model without it is refused by name."""
+    model, trainer, _ = fit_hstu(
+        epochs=1, model_kwargs=dict(history_logit=True), limit_train_batches=4, limit_val_batches=0
+    )
+    assert model.objectives.history_logit.item() != 0
+    assert any(p is model.objectives.history_logit for p in trainer.optimizers[0].param_groups[0]["params"])
+    mismatch = model.checkpoint_mismatch({**model.hparams, "history_logit": False})
+    assert mismatch and "history_logit" in mismatch[0]
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+def test_sasrec_history_logit_is_in_its_softmax_and_its_scores(repeats):
+    """SASRecRecommender(history_logit=True): each position's softmax adds HISTORY_SCALE times the logit to the
+    items its history has read (positions 0 .. p), and the ranking scores add it to the history's items."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from lightning_hstu.hstu.batch import HSTUBatch
+    from lightning_hstu.models.sasrec import SASRecRecommender
+
+    torch.manual_seed(0)
+    model = SASRecRecommender(
+        embedding_dim=8, num_layers=1, max_seq_len=8, dropout=0.0, num_items=9, history_logit=True
+    )
+    with torch.no_grad():
+        model.history_logit.fill_(-0.3)
+    items = torch.tensor([3, 1, 3, 5, 2, 4] if repeats else [3, 1, 7, 5, 2, 4])
+    features = KeyedJaggedTensor.from_lengths_sync(["item"], items, torch.tensor([4, 2]))
+    batch = HSTUBatch(features, sequence_keys=("item",))
+    hidden, mask = model.encode(batch)
+    expected, held_counts = [], 0
+    for b, history in enumerate([items[:4], items[4:]]):
+        for p in range(len(history) - 1):
+            logits = hidden[b, p] @ model.items.weight.T
+            held = torch.isin(torch.arange(10), history[: p + 1])
+            held_counts += bool(held[history[p + 1]])
+            logits = logits + model.HISTORY_SCALE * model.history_logit * held
+            logits[0] = -torch.inf
+            expected.append(-torch.log_softmax(logits, 0)[history[p + 1]])
+    assert held_counts == (1 if repeats else 0)  # the repeated 3 is a target its history holds
+    model.log = lambda *args, **kwargs: None  # no Trainer here
+    torch.testing.assert_close(model.training_step(batch, 0), torch.stack(expected).mean())
+    model.history_logit = None
+    plain = model.score_items(batch)
+    model.history_logit = torch.nn.Parameter(torch.tensor([-0.3]))
+    shift = model.score_items(batch) - plain
+    assert torch.allclose(shift[0, items[:4]], torch.tensor(-3.0)) and torch.allclose(
+        shift[1, items[4:]], torch.tensor(-3.0)
+    )
+    assert shift.count_nonzero() == len(set(items[:4].tolist())) + 2

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchrec import EmbeddingConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from ..checks import at_least, positive
 from ..engine import SKIPPED, BatchView
@@ -85,7 +85,8 @@ SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "ad
 class HSTURecommender(RankingEvaluation, pl.LightningModule):
     """HSTU over user histories. The training recipe's arguments: ``retrieval_loss`` (``RETRIEVAL_LOSSES``)
     and ``temperature``; ``ranking_weight``, the next-action loss's weight (0 drops it and its head);
-    ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); AdamW's ``lr``,
+    ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); ``history_logit``, a
+    learned logit for the items already in the history (``HSTUObjectives``); AdamW's ``lr``,
     ``weight_decay`` and ``betas`` for the dense part, ``sparse_optimizer`` and ``sparse_lr`` for the
     tables. Speed: ``attention`` (``ATTENTION``) and ``compile_layers`` (``HSTUConfig``: the layers'
     token-wise parts through ``torch.compile`` where the fused attention runs on CUDA). Evaluated by
@@ -119,6 +120,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.999),
         compile_layers: bool = False,
+        history_logit: bool = False,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -156,6 +158,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             attention,
             resolve_retrieval(retrieval_loss, num_items),
             ranking_weight,
+            history_logit,
         )
         self.objectives.catalogue = num_items + 1 if num_items else None
         self.embeddings: ShardedEmbeddings | None = None
@@ -372,6 +375,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         "max_seq_len",
         "position_embedding",
         "scale_inputs",
+        "history_logit",
     )
     """Hyper-parameters that decide what the weights mean: a checkpoint's must equal the running model's (table
     sizes may be None, from the data: DCP's size check covers them)."""
@@ -490,7 +494,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         tied with the held-out one counted above it: lower metrics for the same weights)."""
         last = self.objectives.last_states(batch, self.embeddings(sparse_features(batch)))
         with torch.autocast(last.device.type, enabled=False):
-            return F.normalize(last.float(), dim=-1) @ F.normalize(self.all_item_embeddings().float(), dim=-1).T
+            scores = F.normalize(last.float(), dim=-1) @ F.normalize(self.all_item_embeddings().float(), dim=-1).T
+        return self.objectives.with_history_logit(scores, batch.features["item"])
 
     def evaluation_weights(self) -> list[torch.Tensor]:
         """The dense parameters and this rank's table shards: copying into them restores the model."""
@@ -602,6 +607,29 @@ class JaggedLayout:
         return torch.where(self.event_offsets[1:] > self.event_offsets[:-1], times[first], 0)
 
 
+class HistoryItems:
+    """Which items each history holds before each of its positions, for the history logit: every history's
+    first position of every item, a [B, width] table built on the device from the target ids (no host sync,
+    so it can be captured). Position j of a history predicts its event j, having read events 0 .. j - 1: it
+    holds an item whose first position is below j. ``sample``, ``position`` and ``real`` (False at padding
+    and at rows past the real ones) are per target, in the layout's shape; ``sample`` and ``position`` are
+    also the coordinates of the queries that predict those targets."""
+
+    NEVER = torch.iinfo(torch.int32).max
+
+    def __init__(self, target_ids, sample, position, real, batch: int, width: int):
+        self.sample, self.position = sample, position
+        first = torch.full((batch * width,), self.NEVER, dtype=torch.int32, device=target_ids.device)
+        at = torch.where(real, position, self.NEVER).to(torch.int32)
+        index = (sample * width + target_ids).flatten()
+        self.first = first.scatter_reduce(0, index, at.flatten(), reduce="amin").view(batch, width)
+
+    def holds(self, sample: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[..., K]: whether the history of each query (``sample``, ``position``: its leading shape) holds each
+        of ``ids`` (broadcast against [..., 1]) before the query's position."""
+        return self.first[sample[..., None], ids] < position[..., None]
+
+
 class HSTUObjectives(nn.Module):
     """The dense part: the HSTU stack and the ranking head, from looked-up embeddings to the two losses.
 
@@ -620,6 +648,7 @@ class HSTUObjectives(nn.Module):
         attention: str = "padded",
         retrieval: str = "sampled",
         ranking_weight: float = 1.0,
+        history_logit: bool = False,
     ):
         super().__init__()
         if retrieval not in RETRIEVAL_LOSSES[1:]:
@@ -639,6 +668,12 @@ class HSTUObjectives(nn.Module):
             if ranking_weight
             else None
         )
+        self.history_logit = nn.Parameter(torch.zeros(1)) if history_logit else None
+        """A learned score added to the items already in the history that a query has read, in cosine units
+        (the softmax adds it divided by the temperature, as the scores): how likely a user returns to an
+        item. Learned from the training softmax, where the next item is or is not one already held; on data
+        without returns (MovieLens never repeats an item) it turns negative, and the scores stop ranking the
+        history's own items first. None: off."""
 
     def training_flops(self, lengths: list[int], negatives: int) -> int:
         """Model FLOPs of one training step (forward and backward, 3x the forward's matrix products) of a
@@ -811,6 +846,13 @@ class HSTUObjectives(nn.Module):
 
     def _padded_losses(self, events, targets, user, negatives, times, actions, target_ids, negative_ids, mask):
         hidden = self.encode(events, user, times, mask)
+        history = None
+        if self.history_logit is not None:  # position j predicts event j, having read events 0 .. j - 1
+            batch, length = mask.shape
+            sample = torch.arange(batch, device=mask.device)[:, None].expand(batch, length)
+            position = torch.arange(length, device=mask.device)[None, :].expand(batch, length)
+            width = self._width(target_ids, negative_ids)
+            history = HistoryItems(target_ids, sample, position, mask, batch, width)
 
         def negative_scores(query):  # [B, L, negatives]
             if self.retrieval == "sampled":  # each sample's own negatives, for each of its positions
@@ -818,12 +860,19 @@ class HSTUObjectives(nn.Module):
             return self._pool_scores(query, negatives, negative_ids, targets.flatten(0, 1), target_ids.flatten())
 
         # The state before each event predicts that event; padded positions are computed and masked out.
-        return self._sums(hidden[:, :-1], targets, actions, target_ids, mask.to(torch.float32), negative_scores)
+        return self._sums(
+            hidden[:, :-1], targets, actions, target_ids, mask.to(torch.float32), negative_scores, history
+        )
 
     def _jagged_losses(self, events, targets, user, negatives, times, actions, target_ids, negative_ids, lengths):
         hidden, layout = self.encode_jagged(events, user, times, lengths)
         sample = layout.sample.clamp(max=len(lengths) - 1)
         rows = torch.arange(len(sample), device=sample.device)
+        history = None
+        if self.history_logit is not None:  # event row j of a history predicts it, having read the rows before
+            position = rows - layout.event_offsets[sample]
+            width = self._width(target_ids, negative_ids)
+            history = HistoryItems(target_ids, sample, position, layout.real, len(lengths), width)
 
         def negative_scores(query):  # [C, negatives]
             if self.retrieval == "sampled":  # [C, B * K] in one product, then each event's own sample's K
@@ -839,6 +888,7 @@ class HSTUObjectives(nn.Module):
             target_ids,
             layout.real.to(torch.float32),
             negative_scores,
+            history,
         )
 
     def _pool_scores(self, query, negatives, negative_ids, targets, target_ids):
@@ -850,30 +900,62 @@ class HSTUObjectives(nn.Module):
             negatives, negative_ids = negatives[1:], negative_ids[1:]
         return query @ F.normalize(negatives, dim=-1).T, negative_ids
 
-    def _sums(self, predicting, targets, actions, target_ids, weight, negative_scores):
+    def _sums(self, predicting, targets, actions, target_ids, weight, negative_scores, history=None):
         """Retrieval (softmax over the target and the negatives) and weighted ranking (next action) losses
         summed over the positions of ``weight`` (the padded [B, L] or jagged [C] layout alike).
         ``negative_scores(query)`` gives the negatives' cosine scores and their ids; a negative that is the
         target itself (an accidental hit) or no item (id 0) is left out of the softmax. The temperature
-        divides the [positions, D] queries, not the [positions, items] scores (the same logits)."""
+        divides the [positions, D] queries, not the [positions, items] scores (the same logits).
+        ``history`` (``HistoryItems``, with the layout's positions): where the history logit is on, the items
+        a position's history holds, the target's included, get it in their scores."""
         query = F.normalize(predicting, dim=-1) / self.temperature
         weight = weight.to(torch.float32)
+        rows = None if history is None else (history.sample, history.position)
         if self.retrieval == "full":  # the target is among the scored rows already: plain cross-entropy
             # over the items 1 .. num_items (column c is id c + 1; a position without a target has id 0)
             query, target_ids, position_weight = query.flatten(0, -2), target_ids.flatten(), weight.flatten()
+            rows = None if rows is None else tuple(r.flatten() for r in rows)
             if not query.is_cuda:  # the padded CPU layout: score only the real positions (no wait on a CPU)
                 real = position_weight > 0
                 query, target_ids, position_weight = query[real], target_ids[real], position_weight[real]
-            scores, _ = negative_scores(query)
+                rows = None if rows is None else tuple(r[real] for r in rows)
+            scores, ids = negative_scores(query)
+            scores = self._held(scores, history, rows, ids)
             retrieval = F.cross_entropy(scores.float(), target_ids - 1, ignore_index=-1, reduction="none")
             retrieval = (retrieval * position_weight).sum()
         else:
             scores, ids = negative_scores(query)
             positive = (query * F.normalize(targets, dim=-1)).sum(-1, keepdim=True)
+            positive = self._held(positive, history, rows, target_ids[..., None])
+            scores = self._held(scores, history, rows, ids)
             scores = scores.masked_fill((ids == target_ids[..., None]) | (ids == 0), -math.inf)
             logits = torch.cat([positive, scores], dim=-1).float()
             retrieval = ((torch.logsumexp(logits, dim=-1) - logits[..., 0]) * weight).sum()  # positive at 0
         return retrieval, self._ranking(predicting, targets, actions, weight)
+
+    def _held(self, scores, history, rows, ids) -> torch.Tensor:
+        """``scores`` plus the history logit (over the temperature) where a query's history holds the item."""
+        if history is None:
+            return scores
+        held = history.holds(*rows, ids)
+        return scores + held.to(scores.dtype) * (self.history_logit / self.temperature).to(scores.dtype)
+
+    def _width(self, target_ids: torch.Tensor, negative_ids: torch.Tensor) -> int:
+        """Columns of ``HistoryItems``' table: the catalogue, once known (no host sync), else the largest id."""
+        if self.catalogue is not None:
+            return self.catalogue
+        return max((int(ids.max()) for ids in (target_ids, negative_ids) if ids.numel()), default=0) + 1
+
+    def with_history_logit(self, scores: torch.Tensor, history: JaggedTensor) -> torch.Tensor:
+        """[B, items + 1] ranking scores (cosine) plus the history logit at each sample's history items
+        (``history``: the histories the scores were computed from); the scores as they are where it is off."""
+        if self.history_logit is None:
+            return scores
+        ids = history.values()
+        samples = torch.repeat_interleave(torch.arange(len(scores), device=ids.device), history.lengths())
+        held = torch.zeros_like(scores, dtype=torch.bool)
+        held[samples, ids] = True
+        return scores + held.to(scores.dtype) * self.history_logit.detach().to(scores.dtype)
 
     def _ranking(self, predicting, targets, actions, weight) -> torch.Tensor:
         if self.ranking_head is None:

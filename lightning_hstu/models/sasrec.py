@@ -3,6 +3,8 @@ against: item embeddings plus learned positions, causal softmax self-attention b
 scored by the dot product with the (shared) item embeddings, trained with a full softmax over the
 catalogue. Plain PyTorch under any Lightning strategy; the same data module (``HSTUBatch`` histories;
 the action, time and user features are not used) and the same evaluation (``RankingEvaluation``) as HSTU.
+``history_logit`` adds the same learned logit for the items already in the history as HSTU's
+(``HSTUObjectives.history_logit``), so that the two compare with it too.
 """
 
 import lightning.pytorch as pl
@@ -17,6 +19,11 @@ from .ranking import RankingEvaluation
 
 
 class SASRecRecommender(RankingEvaluation, pl.LightningModule):
+    HISTORY_SCALE = 10.0
+    """Logits per unit of ``history_logit``: a scalar under Adam moves about ``lr`` per step, and at the
+    example's rate (2e-3, 7 steps an epoch) it could not go past one logit in 60 epochs; HSTU's moves
+    ``1 / temperature`` = 10 logits per unit at its example's temperature."""
+
     def __init__(
         self,
         embedding_dim: int = 64,
@@ -27,6 +34,7 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         num_items: int | None = None,
+        history_logit: bool = False,
     ):
         super().__init__()
         at_least(1, embedding_dim=embedding_dim, num_layers=num_layers, num_heads=num_heads, max_seq_len=max_seq_len)
@@ -51,6 +59,9 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
             block, num_layers, norm=nn.LayerNorm(embedding_dim), enable_nested_tensor=False
         )
         nn.init.xavier_normal_(self.positions.weight)
+        self.history_logit = nn.Parameter(torch.zeros(1)) if history_logit else None
+        """A learned logit for the items a position's history already holds, in units of ``HISTORY_SCALE``
+        logits (HSTU's is in cosine units, ``1 / temperature`` logits)."""
         if num_items is not None:
             self._make_items(num_items)
 
@@ -96,6 +107,12 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         hidden, mask = self.encode(batch)
         ids = Padding(batch.sequence_lengths(), len(batch.features["item"].values()))(batch.features["item"].values())
         logits = hidden[:, :-1][mask[:, 1:]] @ self.items.weight.T
+        if self.history_logit is not None:  # position p has read the items at positions 0 .. p
+            rows, length = ids.shape
+            position = torch.where(mask, torch.arange(length, device=ids.device), length)
+            first = ids.new_full((rows, logits.shape[-1]), length).scatter_reduce(1, ids, position, reduce="amin")
+            held = first[:, None, :] <= torch.arange(length, device=ids.device)[None, :, None]
+            logits = logits + self.HISTORY_SCALE * self.history_logit * held[:, :-1][mask[:, 1:]]
         logits[:, 0] = -torch.inf
         loss = F.cross_entropy(logits, ids[:, 1:][mask[:, 1:]])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
@@ -106,7 +123,14 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         hidden, mask = self.encode(batch)
         last = hidden[torch.arange(len(mask), device=mask.device), mask.sum(1) - 1]
         with torch.autocast(last.device.type, enabled=False):
-            return last.float() @ self.items.weight.float().T
+            scores = last.float() @ self.items.weight.float().T
+        if self.history_logit is None:
+            return scores
+        history = batch.features["item"]
+        samples = torch.repeat_interleave(torch.arange(len(scores), device=scores.device), history.lengths())
+        held = torch.zeros_like(scores, dtype=torch.bool)
+        held[samples, history.values()] = True
+        return scores + self.HISTORY_SCALE * self.history_logit.detach().float() * held
 
     def evaluation_weights(self) -> list[torch.Tensor]:
         return list(self.parameters())
