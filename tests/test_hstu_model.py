@@ -556,6 +556,8 @@ def test_the_history_logit_is_trained_with_the_dense_weights_and_checked_on_load
     assert any(p is model.objectives.history_logit for p in trainer.optimizers[0].param_groups[0]["params"])
     mismatch = model.checkpoint_mismatch({**model.hparams, "history_logit": False})
     assert mismatch and "history_logit" in mismatch[0]
+    recorded_before = {k: v for k, v in model.hparams.items() if k != "history_logit"}  # the argument's default
+    assert model.checkpoint_mismatch(recorded_before) == ["history_logit=False in the checkpoint, True here"]
 
 
 @pytest.mark.parametrize("repeats", [False, True])

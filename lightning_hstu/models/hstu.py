@@ -12,6 +12,7 @@ loss of the whole global batch.
 """
 
 import importlib.util
+import inspect
 import math
 import os
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -382,11 +383,17 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
 
     def checkpoint_mismatch(self, saved: dict[str, Any]) -> list[str]:
         """The ``ARCHITECTURE`` hyper-parameters in which a checkpoint's (``saved``) differ from this model's,
-        each named with both values (empty: the weights mean the same here)."""
+        each named with both values (empty: the weights mean the same here). One the checkpoint does not
+        record (saved before the argument existed) counts as the argument's default; a checkpoint without
+        hyper-parameters is not checked."""
+        if not saved:
+            return []
+        defaults = {p.name: p.default for p in inspect.signature(HSTURecommender.__init__).parameters.values()}
+        saved = {name: saved.get(name, defaults.get(name)) for name in self.ARCHITECTURE}
         return [
             f"{name}={saved[name]!r} in the checkpoint, {self.hparams[name]!r} here"
             for name in self.ARCHITECTURE
-            if name in saved and name in self.hparams and saved[name] != self.hparams[name]
+            if name in self.hparams and saved[name] != self.hparams[name]
         ]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
