@@ -123,11 +123,14 @@ def jagged_histories(lengths, seed=0):
     return values, times, lengths
 
 
-@pytest.mark.skipif(
+INTERPRETER_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="CPU tensors through Triton's interpreter, which conftest.py turns on only without a GPU; on a GPU "
     "test_hstu_cuda.py trains the fused stack against the padded one",
 )
+
+
+@INTERPRETER_ONLY
 def test_the_jagged_stack_computes_what_the_padded_stack_does():
     """The fused kernel's layout (Triton's interpreter on the CPU): the same hidden states and gradients."""
     model = stack()
@@ -213,6 +216,7 @@ def padded_losses(retrieval, history_logit=False):
     return objectives, inputs, leaves
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize(
     "retrieval, extra_rows, history_logit",
     [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
