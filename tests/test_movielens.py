@@ -128,6 +128,68 @@ def test_length_buckets_give_every_sample_once_in_batches_of_like_lengths():
     assert list(again) == second
 
 
+def test_the_strategy_trains_the_length_buckets_batches():
+    """A fit under HSTUPipelineStrategy (a DDPStrategy, so Lightning gives its training loader a distributed
+    sampler) trains the batches ``LengthBuckets`` made. Before, Lightning wrapped the bucketed order in its
+    DistributedSamplerWrapper, which shuffled it: batches spanned as many lengths as a plain shuffle's."""
+    import sys
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from lightning_runs import QUIET
+    from small_hstu import SMALL_MODEL, small_data
+
+    from lightning_hstu import HSTUPipelineStrategy
+    from lightning_hstu.data.histories import LengthBuckets
+    from lightning_hstu.models.hstu import HSTURecommender
+
+    class Users(pl.Callback):
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.batches.append(batch.features["user"].values().tolist())
+
+    pl.seed_everything(0, verbose=False)
+    users, data = Users(), small_data(length_buckets=4)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("legacy_none"),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        callbacks=[users],
+        **QUIET,
+    )
+    trainer.fit(HSTURecommender(**SMALL_MODEL), data)
+    histories = data.train_histories
+    order = list(LengthBuckets([len(h.items) for h in histories], data.batch_size, 4, data.seed))
+    expected = [[histories[i].user for i in order[s : s + data.batch_size]] for s in range(0, len(order), 8)]
+    assert users.batches == expected[: len(users.batches)] and len(users.batches) == len(histories) // 8
+
+
+def test_length_buckets_on_two_ranks_give_each_rank_like_lengths_and_every_sample_at_most_once():
+    """Each step's two batches are one sorted global batch of a pool, cut in two: each rank's batch is alike
+    (the balanced shuffler then evens their costs), the ranks run as many batches, and no sample is trained
+    twice in an epoch; the permutation's remainder that fills no global batch is split too, for drop_last."""
+    import random
+
+    from lightning_hstu.data.histories import LengthBuckets
+
+    lengths = [random.Random(i).randrange(2, 200) for i in range(205)]
+    shares = [list(LengthBuckets(lengths, 10, pool_batches=5, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == len(LengthBuckets(lengths, 10, 5, num_replicas=2)) == 102
+    assert not set(shares[0]) & set(shares[1])
+    for step in range(10):  # 200 of the 205 samples: 10 global batches of 20
+        a, b = (set(share[step * 10 : (step + 1) * 10]) for share in shares)
+        assert max(lengths[i] for i in a) <= min(lengths[i] for i in b)  # one sorted global batch, cut in two
+    batches = [shares[0][s : s + 10] for s in range(0, 100, 10)] + [shares[1][s : s + 10] for s in range(0, 100, 10)]
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread < 60  # as alike as one rank's (sorted pools of 100 samples: about 20)
+
+
 @pytest.mark.parametrize("events, usable", [(6, 5), (3, 0)], ids=["5 users to train on", "none"])
 def test_too_few_users_for_one_training_batch_is_an_error_not_a_fit_that_trains_nothing(tmp_path, events, usable):
     """Training batches are whole (drop_last): 5 users under batch_size=8 made no batch, and a fit stopped at
