@@ -20,6 +20,14 @@ NO_TARGET = 0
 """The target of a filler sample (id 0 is no item): evaluated like the others, counted in no metric."""
 
 
+def held_items(like: torch.Tensor, items: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A bool tensor shaped as ``like`` ([B, items + 1]): True at each sample's ``items`` (the ids of every
+    sample back to back, ``lengths`` [B] of them per sample)."""
+    held = torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+    held[torch.repeat_interleave(torch.arange(len(like), device=like.device), lengths), items] = True
+    return held
+
+
 def target_ranks(
     scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor, history_lengths: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -32,9 +40,7 @@ def target_ranks(
     above = (scores >= target) | scores.isnan() | target.isnan()  # ties and NaN against the target
     above[:, 0] = False  # id 0 is no item
     above[samples, targets] = False  # the target itself
-    rows = torch.repeat_interleave(samples, history_lengths)
-    seen = torch.zeros_like(above)
-    seen[rows, history] = True
+    seen = held_items(above, history, history_lengths)
     seen[samples, targets] = False
     return {"all": above.sum(1), "unseen": (above & ~seen).sum(1)}
 

@@ -25,6 +25,7 @@ from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from ..checks import at_least, positive
+from ..data.evaluation import held_items
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
@@ -958,10 +959,7 @@ class HSTUObjectives(nn.Module):
         (``history``: the histories the scores were computed from); the scores as they are where it is off."""
         if self.history_logit is None:
             return scores
-        ids = history.values()
-        samples = torch.repeat_interleave(torch.arange(len(scores), device=ids.device), history.lengths())
-        held = torch.zeros_like(scores, dtype=torch.bool)
-        held[samples, ids] = True
+        held = held_items(scores, history.values(), history.lengths())
         return scores + held.to(scores.dtype) * self.history_logit.detach().to(scores.dtype)
 
     def _ranking(self, predicting, targets, actions, weight) -> torch.Tensor:

@@ -5,7 +5,7 @@ item (``data.evaluation``), logged as ``<stage>/<ranking>/<metric>``, for exampl
 import torch
 from torchmetrics.aggregation import MeanMetric
 
-from ..data.evaluation import METRICS, NO_TARGET, RANKINGS, metric_values, target_ranks
+from ..data.evaluation import METRICS, NO_TARGET, RANKINGS, held_items, metric_values, target_ranks
 from ..data.histories import FILLER_USER
 from ..hstu.batch import HSTUBatch
 
@@ -49,10 +49,7 @@ class RankingEvaluation:
             scores = self.score_items(batch).float()
         scores[:, 0] = -torch.inf  # no item
         if not self.predict_seen_items:
-            items, lengths = seen_items(batch)
-            scores[
-                torch.repeat_interleave(torch.arange(len(scores), device=scores.device), lengths), items
-            ] = -torch.inf
+            scores[held_items(scores, *seen_items(batch))] = -torch.inf
         best, items = scores.topk(min(self.predict_top_k, scores.shape[1] - 1), dim=1)
         users = batch.features["user"].values()
         real = users != FILLER_USER

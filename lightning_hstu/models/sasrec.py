@@ -13,7 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..checks import at_least
+from ..data.evaluation import held_items
 from ..hstu.batch import HSTUBatch
+from .hstu import HistoryItems
 from .hstu_layers import Padding
 from .ranking import RankingEvaluation
 
@@ -109,10 +111,13 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         logits = hidden[:, :-1][mask[:, 1:]] @ self.items.weight.T
         if self.history_logit is not None:  # position p has read the items at positions 0 .. p
             rows, length = ids.shape
-            position = torch.where(mask, torch.arange(length, device=ids.device), length)
-            first = ids.new_full((rows, logits.shape[-1]), length).scatter_reduce(1, ids, position, reduce="amin")
-            held = first[:, None, :] <= torch.arange(length, device=ids.device)[None, :, None]
-            logits = logits + self.HISTORY_SCALE * self.history_logit * held[:, :-1][mask[:, 1:]]
+            sample = torch.arange(rows, device=ids.device)[:, None].expand(rows, length)
+            position = torch.arange(length, device=ids.device)[None, :].expand(rows, length)
+            history = HistoryItems(ids, sample, position, mask, rows, logits.shape[-1])
+            predicting = mask[:, 1:]
+            columns = torch.arange(logits.shape[-1], device=ids.device)
+            held = history.holds(sample[:, :-1][predicting], position[:, :-1][predicting] + 1, columns)
+            logits = logits + self.HISTORY_SCALE * self.history_logit * held
         logits[:, 0] = -torch.inf
         loss = F.cross_entropy(logits, ids[:, 1:][mask[:, 1:]])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
@@ -127,9 +132,7 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         if self.history_logit is None:
             return scores
         history = batch.features["item"]
-        samples = torch.repeat_interleave(torch.arange(len(scores), device=scores.device), history.lengths())
-        held = torch.zeros_like(scores, dtype=torch.bool)
-        held[samples, history.values()] = True
+        held = held_items(scores, history.values(), history.lengths())
         return scores + self.HISTORY_SCALE * self.history_logit.detach().float() * held
 
     def evaluation_weights(self) -> list[torch.Tensor]:
