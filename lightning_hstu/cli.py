@@ -82,12 +82,17 @@ def run_lightning_cli(argv: list[str] | None):
     )
 
 
+def _subcommand_config(config):
+    """The parsed arguments of the subcommand run (``fit``, ``test``, ...); empty without one."""
+    subcommand = config.get("subcommand")
+    return config[subcommand] if subcommand else {}
+
+
 def _check_checkpoint_exists(config) -> None:
     """Refuse a ``--ckpt_path`` that is not there before anything is set up (Lightning raises
     ``FileNotFoundError`` once the process group and the data are). Lightning's own names for a checkpoint
     it finds (``best``, ``last``, ``hpc``, ``registry[:...]``) and remote paths (``s3://...``) are left to it."""
-    subcommand = config.get("subcommand")
-    ckpt_path = config[subcommand].get("ckpt_path") if subcommand else None
+    ckpt_path = _subcommand_config(config).get("ckpt_path")
     if not ckpt_path:
         return
     ckpt_path = str(ckpt_path)
@@ -106,11 +111,8 @@ def _check_checkpoint_model(config) -> None:
 
     from .strategies.sharded_checkpoint import _TRAINER_STATE_GLOBALS, LIGHTNING_FILE
 
-    subcommand = config.get("subcommand")
-    if not subcommand:
-        return
-    ckpt_path = config[subcommand].get("ckpt_path")
-    model = config[subcommand].get("model")
+    section = _subcommand_config(config)
+    ckpt_path, model = section.get("ckpt_path"), section.get("model")
     wanted = getattr(model, "class_path", None)
     if not ckpt_path or not wanted:
         return
