@@ -7,11 +7,12 @@ that a machine's drift over a lease falls on each alike; per process, the median
 
 A version is a git revision (its ``lightning_hstu`` exported with ``git archive``), a directory holding a
 ``lightning_hstu`` package (a copy with a change under trial), ``plain`` (``profile_user_path.py --plain``
-with the first version's package) or ``lightning`` (``--lightning``, Lightning's own loop, the same
-package). Everything after ``--`` goes to ``profile_user_path.py``; a version followed by ``+`` and
-arguments gives that version's processes those arguments too (``main "main+--pin-python-threads 0"``: the
-same package with and without the option). ``--cpus 0-7`` pins every process to
-those cores. Prints each round's ms/step per version, then per version the median
+with the first version's package), ``lightning`` (``--lightning``, Lightning's own loop, the same package) or
+``engine`` (``--engine``, ``Engine`` driven directly with the passed ``--preset``: the user's path minus it is
+the strategy's own cost). Everything after ``--`` goes to ``profile_user_path.py``; a version followed by
+``+`` and arguments gives that version's processes those arguments too (``main "main+--pin-python-threads
+0"``: the same package with and without the option). ``--cpus 0-7`` pins every process to those cores.
+Prints each round's ms/step per version, then per version the median
 over rounds and, against the first version, each round's difference and in how many rounds it was faster.
 
 With ``--thread-cpu`` among the passed arguments it also prints each process's CPU time per step of the
@@ -35,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
-LOOPS = {"plain": "--plain", "lightning": "--lightning"}
+LOOPS = {"plain": "--plain", "lightning": "--lightning", "engine": "--engine"}
 """Versions that are another loop over the first version's package: their flag of ``profile_user_path.py``."""
 THREAD_CPU = re.compile(r"^\s+(hstu-main|MainThread|pt_autograd_\d+)\b[^\n]*?([0-9.]+) ms/step$", re.MULTILINE)
 

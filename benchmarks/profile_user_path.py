@@ -5,7 +5,12 @@ on one GPU for long enough to attach a sampling profiler to it, and says when th
     # when the file named by --ready appears: py-spy record --pid $(cat /tmp/profile_ready) --threads ...
 
 The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows;
-``--plain`` runs its plain loop instead (no Trainer), so that each mode can be timed alone in a process.
+``--plain`` runs its plain loop instead (no Trainer), so that each mode can be timed alone in a process;
+``--engine`` drives ``Engine`` directly with ``--preset`` (and ``--graphs``), as ``hstu_pipelines.py``'s Engine
+rows do (torch's AdamW stepping eagerly, no check of the loss: ``--on-nonfinite-loss`` does not apply), so
+that the user's path minus it, the strategy's own cost, is timed process against process;
+``--eager-optimizer`` runs the user's path with torch's AdamW stepping eagerly too (``hstu_pipelines.py``'s
+``EagerOptimizerStep``), the optimizer the Engine rows use.
 Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes.
 
 Two diagnostics of the steady state, from the end of the warmup on:
@@ -45,11 +50,13 @@ import torch.distributed as dist
 from hstu_pipelines import (
     SMALL,
     WORKLOADS,
+    EagerOptimizerStep,
     _Batches,
     build_model,
     cycled,
     make_batches,
     model_sizes,
+    run_engine,
     run_plain,
     user_path_trainer,
 )
@@ -90,6 +97,8 @@ def main():
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--lightning", action="store_true", help="Lightning's own loop (engine=False)")
     parser.add_argument("--plain", action="store_true", help="the benchmark's plain PyTorch loop, no Trainer")
+    parser.add_argument("--engine", action="store_true", help="Engine driven directly with --preset, no Trainer")
+    parser.add_argument("--eager-optimizer", action="store_true", help="the user's path with torch's AdamW, eager")
     parser.add_argument("--on-nonfinite-loss", default="raise", help="HSTURecommender's on_nonfinite_loss")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=1500)
@@ -111,8 +120,14 @@ def main():
         help="HSTUPipelineStrategy(step_timeout=...) in seconds, or none (default 600, as hstu_pipelines.py)",
     )
     args = parser.parse_args()
-    if (args.pin_threads is not None or args.step_timeout != 600.0) and (args.plain or args.lightning):
-        parser.error("--pin-threads and --step-timeout are the strategy's options: not with --plain or --lightning")
+    loops = [flag for flag in ("plain", "lightning", "engine") if getattr(args, flag)]
+    if len(loops) > 1:
+        parser.error(f"one loop at a time: {', '.join('--' + flag for flag in loops)}")
+    if (args.pin_threads is not None or args.step_timeout != 600.0 or args.eager_optimizer) and loops:
+        parser.error(
+            "--pin-threads, --step-timeout and --eager-optimizer are the user's path's options: "
+            "not with --plain, --lightning or --engine"
+        )
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.sync_debug and not torch.cuda.is_available():
@@ -141,7 +156,13 @@ def main():
         _report(diagnostics)
         dist.destroy_process_group()
         return
-    model = HSTURecommender(
+    if args.engine:
+        marks = _Marks(args.warmup, args.every, args.ready, diagnostics)
+        _engine_loop(sizes, device, num_items, args.preset, args.graphs, cycled(batches, total), marks)
+        _report(diagnostics)
+        dist.destroy_process_group()
+        return
+    model = (EagerOptimizerStep if args.eager_optimizer else HSTURecommender)(
         **model_sizes(sizes),
         sparse_optimizer="sgd",
         lr=1e-4,
@@ -339,6 +360,19 @@ def _plain_loop(sizes, device, num_items, batches, marks):
     model = build_model(sizes, device, num_items)
     optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
     run_plain(model, optimizer, "cuda" if device.type == "cuda" else None)(_marked(batches, marks))
+
+
+def _engine_loop(sizes, device, num_items, preset, graphs, batches, marks):
+    """``hstu_pipelines.py``'s Engine rows (``run_engine``: same model, AdamW and autocast; the step timeout
+    600 s, as the user's path's default) over ``batches``, timed by ``marks`` as the Trainer's steps are."""
+    model = build_model(sizes, device, num_items)
+    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    autocast = "cuda" if device.type == "cuda" else None
+    run, engine = run_engine(model, optimizer, autocast, device, preset, capture=graphs and device.type == "cuda")
+    try:
+        run(_marked(batches, marks))
+    finally:
+        engine.close()
 
 
 def _marked(batches, marks):
