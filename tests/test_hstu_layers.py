@@ -216,20 +216,11 @@ def padded_losses(retrieval, history_logit=False):
     return objectives, inputs, leaves
 
 
-@INTERPRETER_ONLY
-@pytest.mark.parametrize(
-    "retrieval, extra_rows, history_logit",
-    [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
-    + [("sampled", 9, True), ("full", 9, True), ("in_batch", 9, True)],
-)
-def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit):
-    """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
-    token capacity (rows past the real events, as graph capture uses), and with the history logit (its
-    gradient included: it is among the objectives' parameters)."""
+def jagged_losses(retrieval, history_logit=False, extra_rows=0):
+    """``padded_losses``' histories in the fused kernel's layout, with ``extra_rows`` past the real events."""
     from lightning_hstu.models.hstu import JaggedInputs
 
-    expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
-    jagged_objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval, history_logit)
+    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval, history_logit)
     events, targets, user, negatives = leaves
     grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
     inputs = JaggedInputs(
@@ -243,7 +234,21 @@ def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, histor
         ids["negatives"],
         lengths,
     )
-    got = losses_and_gradients(jagged_objectives, inputs, leaves)
+    return objectives, inputs, leaves
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize(
+    "retrieval, extra_rows, history_logit",
+    [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
+    + [("sampled", 9, True), ("full", 9, True), ("in_batch", 9, True)],
+)
+def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit):
+    """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
+    token capacity (rows past the real events, as graph capture uses), and with the history logit (its
+    gradient included: it is among the objectives' parameters)."""
+    expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
+    got = losses_and_gradients(*jagged_losses(retrieval, history_logit, extra_rows))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
@@ -316,6 +321,96 @@ def test_the_history_logit_shifts_the_ranking_scores_of_the_history_items_only()
     expected = torch.zeros_like(scores)
     expected[0, [2, 5]] = expected[2, [7, 1]] = objectives.history_logit.item()
     torch.testing.assert_close(shifted, expected)
+
+
+def histories_held(target_ids, real, sample, position, ids):
+    """[Q, K] by definition: whether a real target of query q's sample, before its position, is ids[q, k]."""
+    held = torch.zeros(ids.shape, dtype=torch.bool)
+    for q, (b, p) in enumerate(zip(sample.tolist(), position.tolist())):
+        before = target_ids[b, :p][real[b, :p]]
+        held[q] = torch.isin(ids[q], before)
+    return held
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_sorted_history_items_hold_what_the_table_holds(seed):
+    """HistoryItems' two representations answer every query the same, and as the definition: histories that
+    repeat items, empty ones, padding (ids there are ignored), ids 0 and width - 1, queries at position 0
+    and past the end."""
+    from lightning_hstu.models.hstu import HistoryItems
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, length, width = 6, 9, 7
+    lengths = torch.tensor([0, length, 4, 1, 0, 6])
+    real = torch.arange(length) < lengths[:, None]
+    target_ids = torch.randint(0, width, (batch, length), generator=gen)  # few ids: repeats, 0 and 6
+    sample = torch.arange(batch)[:, None].expand(batch, length)
+    position = torch.arange(length)[None, :].expand(batch, length)
+    built = [HistoryItems(target_ids, sample, position, real, batch, width, table) for table in (True, False)]
+    assert [h.dense for h in built] == [True, False]
+    queries = 200
+    query_sample = torch.randint(0, batch, (queries,), generator=gen)
+    query_position = torch.randint(0, length + 3, (queries,), generator=gen)  # 0 .. past the end
+    query_ids = torch.randint(0, width, (queries, 5), generator=gen)
+    query_ids[:, -1] = torch.tensor([0, width - 1]).repeat(queries // 2)
+    expected = histories_held(target_ids, real, query_sample, query_position, query_ids)
+    assert expected.any() and not expected.all()
+    for history in built:
+        assert torch.equal(history.holds(query_sample, query_position, query_ids), expected)
+    every = torch.arange(width).expand(queries, width)  # the full softmax's columns
+    assert torch.equal(
+        built[1].holds(query_sample, query_position, every), built[0].holds(query_sample, query_position, every)
+    )
+
+
+@pytest.mark.parametrize("retrieval", ["sampled", "in_batch"])
+@pytest.mark.parametrize("layout", ["padded", pytest.param("jagged", marks=INTERPRETER_ONLY)])
+def test_the_history_logit_losses_are_the_same_from_the_sorted_history_items(monkeypatch, retrieval, layout):
+    """With the table's size limit at 0 (a catalogue too large for it), the losses and all gradients are
+    the table's, in both layouts (the jagged one with rows past the real events)."""
+    from lightning_hstu.models import hstu
+
+    losses = padded_losses if layout == "padded" else lambda *a: jagged_losses(*a, extra_rows=9)
+    expected = losses_and_gradients(*losses(retrieval, True))
+    monkeypatch.setattr(hstu, "HISTORY_TABLE_ENTRIES", 0)
+    sort, sorts = hstu.HistoryItems._sorted, []
+
+    def counted(*args):
+        sorts.append(args)
+        return sort(*args)
+
+    monkeypatch.setattr(hstu.HistoryItems, "_sorted", staticmethod(counted))
+    got = losses_and_gradients(*losses(retrieval, True))
+    assert sorts  # the sort answered
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_a_catalogue_of_fifty_million_items_is_sorted_not_tabled():
+    """A batch of 64 over 50M items (a 12.8 GB table) sorts its targets instead and holds the right items;
+    a size whose keys overflow int64 is an error that names it."""
+    from lightning_hstu.models.hstu import HistoryItems
+
+    batch, length, width = 64, 20, 50_000_000
+    gen = torch.Generator().manual_seed(0)
+    target_ids = torch.randint(1, width, (batch, length), generator=gen)
+    target_ids[0, :3] = torch.tensor([width - 1, 0, width - 1])
+    target_ids[1, 5] = 123
+    real = torch.ones(batch, length, dtype=torch.bool)
+    real[1, 5:] = False  # item 123 at padding: never held
+    sample = torch.arange(batch)[:, None].expand(batch, length)
+    position = torch.arange(length)[None, :].expand(batch, length)
+    history = HistoryItems(target_ids, sample, position, real, batch, width)
+    assert not history.dense
+    ids = torch.tensor([width - 1, 0, 123, int(target_ids[63, 19]), int(target_ids[2, 7])])
+    query_sample, query_position = torch.tensor([0, 0, 1, 63, 63, 2]), torch.tensor([1, 0, 20, 19, 20, 8])
+    expected = histories_held(target_ids, real, query_sample, query_position, ids.expand(6, 5))
+    assert torch.equal(history.holds(query_sample, query_position, ids), expected)
+    assert expected[0].tolist() == [True, False, False, False, False]  # [0, 1): item width - 1 only
+    assert expected[4, 3] and not expected[3, 3]  # the last target, held after its position only
+    assert not expected[2, 2]  # item 123 at padding
+    with pytest.raises(ValueError, match=f"batch=4096 times width={2**50} times 21 positions"):
+        HistoryItems(target_ids[:1], sample[:1], position[:1], real[:1], 4096, 2**50)
 
 
 def test_sampled_negatives_that_hit_the_target_are_left_out():

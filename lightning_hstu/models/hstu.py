@@ -615,27 +615,65 @@ class JaggedLayout:
         return torch.where(self.event_offsets[1:] > self.event_offsets[:-1], times[first], 0)
 
 
+HISTORY_TABLE_ENTRIES = 1 << 24
+"""Entries of the largest [batch, width] table that ``HistoryItems`` fills (int32: 64 MiB); a larger batch
+times catalogue is sorted instead."""
+
+
 class HistoryItems:
-    """Which items each history holds before each of its positions, for the history logit: every history's
-    first position of every item, a [B, width] table built on the device from the target ids (no host sync,
-    so it can be captured). Position j of a history predicts its event j, having read events 0 .. j - 1: it
-    holds an item whose first position is below j. ``sample``, ``position`` and ``real`` (False at padding
-    and at rows past the real ones) are per target, in the layout's shape; ``sample`` and ``position`` are
-    also the coordinates of the queries that predict those targets."""
+    """Which items each history holds before each of its positions, for the history logit, built on the
+    device from the target ids (no host sync, fixed shapes, so it can be captured). Position j of a history
+    predicts its event j, having read events 0 .. j - 1: it holds an item whose first position is below j.
+    ``sample``, ``position`` and ``real`` (False at padding and at rows past the real ones) are per target,
+    in the layout's shape, positions below its last dimension; ``sample`` and ``position`` are also the
+    coordinates of the queries that predict those targets.
+
+    Two representations answer the same: while ``batch * width`` is at most ``HISTORY_TABLE_ENTRIES``
+    (2**24), a [batch, width] table of every history's first position of every item, one gather per query;
+    beyond it (sampled or in-batch negatives over millions of items, where the table would be gigabytes
+    filled every step), the targets sorted by (sample, item, position), one binary search per query, memory
+    in the targets only. ``table=True`` keeps the table whatever its size: a full softmax's queries cover
+    every column, which the table answers with less memory and time than a search."""
 
     NEVER = torch.iinfo(torch.int32).max
 
-    def __init__(self, target_ids, sample, position, real, batch: int, width: int):
-        self.sample, self.position = sample, position
-        first = torch.full((batch * width,), self.NEVER, dtype=torch.int32, device=target_ids.device)
-        at = torch.where(real, position, self.NEVER).to(torch.int32)
-        index = (sample * width + target_ids).flatten()
-        self.first = first.scatter_reduce(0, index, at.flatten(), reduce="amin").view(batch, width)
+    def __init__(self, target_ids, sample, position, real, batch: int, width: int, table: bool | None = None):
+        self.sample, self.position, self.width = sample, position, width
+        self.dense = batch * width <= HISTORY_TABLE_ENTRIES if table is None else table
+        """Whether the table (else the sorted targets) answers ``holds``."""
+        if self.dense:
+            first = torch.full((batch * width,), self.NEVER, dtype=torch.int32, device=target_ids.device)
+            at = torch.where(real, position, self.NEVER).to(torch.int32)
+            index = (sample * width + target_ids).flatten()
+            self.first = first.scatter_reduce(0, index, at.flatten(), reduce="amin").view(batch, width)
+        else:
+            self.keys, self.first_position = self._sorted(target_ids, sample, position, real, batch, width)
+
+    @staticmethod
+    def _sorted(target_ids, sample, position, real, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys sample * width + item, ascending (``batch * width`` past the real targets: above every
+        query), and the positions; at each key's first occurrence, its smallest position."""
+        span = position.shape[-1] + 1  # above every position of the layout
+        never = batch * width
+        if (never + 1) * span > torch.iinfo(torch.int64).max:
+            raise ValueError(
+                f"HistoryItems sorts (sample * width + item) * {span} + position in int64: batch={batch} "
+                f"times width={width} times {span} positions overflows it"
+            )
+        key = torch.where(real, sample.long() * width + target_ids.long(), never)
+        composite = (key * span + torch.where(real, position.long(), 0)).flatten()
+        composite = torch.cat([composite, composite.new_full((1,), never * span)])  # never empty
+        ordered = torch.sort(composite).values
+        return ordered // span, ordered % span
 
     def holds(self, sample: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[..., K]: whether the history of each query (``sample``, ``position``: its leading shape) holds each
-        of ``ids`` (broadcast against [..., 1]) before the query's position."""
-        return self.first[sample[..., None], ids] < position[..., None]
+        of ``ids`` (in [0, width), broadcast against [..., 1]) before the query's position."""
+        if self.dense:
+            return self.first[sample[..., None], ids] < position[..., None]
+        query = sample[..., None].long() * self.width + ids
+        at = torch.searchsorted(self.keys, query).clamp(max=len(self.keys) - 1)  # a key's first: its least position
+        return (self.keys[at] == query) & (self.first_position[at] < position[..., None])
 
 
 class HSTUObjectives(nn.Module):
@@ -860,7 +898,7 @@ class HSTUObjectives(nn.Module):
             sample = torch.arange(batch, device=mask.device)[:, None].expand(batch, length)
             position = torch.arange(length, device=mask.device)[None, :].expand(batch, length)
             width = self._width(target_ids, negative_ids)
-            history = HistoryItems(target_ids, sample, position, mask, batch, width)
+            history = HistoryItems(target_ids, sample, position, mask, batch, width, self._table())
 
         def negative_scores(query):  # [B, L, negatives]
             if self.retrieval == "sampled":  # each sample's own negatives, for each of its positions
@@ -880,7 +918,7 @@ class HSTUObjectives(nn.Module):
         if self.history_logit is not None:  # event row j of a history predicts it, having read the rows before
             position = rows - layout.event_offsets[sample]
             width = self._width(target_ids, negative_ids)
-            history = HistoryItems(target_ids, sample, position, layout.real, len(lengths), width)
+            history = HistoryItems(target_ids, sample, position, layout.real, len(lengths), width, self._table())
 
         def negative_scores(query):  # [C, negatives]
             if self.retrieval == "sampled":  # [C, B * K] in one product, then each event's own sample's K
@@ -947,6 +985,10 @@ class HSTUObjectives(nn.Module):
             return scores
         held = history.holds(*rows, ids)
         return scores + held.to(scores.dtype) * (self.history_logit / self.temperature).to(scores.dtype)
+
+    def _table(self) -> bool | None:
+        """``HistoryItems``' ``table``: kept for the full softmax, which queries every column; else by size."""
+        return True if self.retrieval == "full" else None
 
     def _width(self, target_ids: torch.Tensor, negative_ids: torch.Tensor) -> int:
         """Columns of ``HistoryItems``' table: the catalogue, once known (no host sync), else the largest id."""

@@ -113,7 +113,7 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
             rows, length = ids.shape
             sample = torch.arange(rows, device=ids.device)[:, None].expand(rows, length)
             position = torch.arange(length, device=ids.device)[None, :].expand(rows, length)
-            history = HistoryItems(ids, sample, position, mask, rows, logits.shape[-1])
+            history = HistoryItems(ids, sample, position, mask, rows, logits.shape[-1], table=True)
             predicting = mask[:, 1:]
             columns = torch.arange(logits.shape[-1], device=ids.device)
             held = history.holds(sample[:, :-1][predicting], position[:, :-1][predicting] + 1, columns)
