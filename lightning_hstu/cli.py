@@ -26,9 +26,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args = _parser().parse_args(words)
         return args.run(args)
-    except (PlanError, CheckpointError) as error:
+    except (PlanError, CheckpointError, ConfigError) as error:
         print(f"lightning-hstu: error: {error}", file=sys.stderr)
         return 2
+
+
+class ConfigError(ValueError):
+    """An argument of the config that the model's or the data module's class, one of this package's, refused:
+    the message names the class and quotes its constructor (the strategy's refusals are ``PlanError``s)."""
 
 
 def run_lightning_cli(argv: list[str] | None):
@@ -36,6 +41,7 @@ def run_lightning_cli(argv: list[str] | None):
     (``--trainer.strategy=hstu_full_split_d6``, or ``class_path: lightning_hstu.HSTUPipelineStrategy``
     with ``init_args: {preset: ...}``). Model and data are chosen by ``class_path`` in the config. The
     resolved config goes under the run's log directory (``RunConfigCallback``)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
     from . import known_warnings  # noqa: F401
@@ -51,25 +57,48 @@ def run_lightning_cli(argv: list[str] | None):
             super()._parse_ckpt_path()
 
         def before_instantiate_classes(self) -> None:
-            self.strategy_error: PlanError | None = None
+            self.refusal: PlanError | ConfigError | None = None
             self.parser.add_instantiator(self._strategy, HSTUPipelineStrategy)
+            for module_type in (LightningModule, LightningDataModule):
+                # LightningCLI registered an instantiator of its own for each (it hands the module the
+                # hyper-parameters that its checkpoints keep): wrapped, in its place
+                lightning_instantiator = self.parser._instantiators[(module_type, True)]
+                self.parser.add_instantiator(self._module(lightning_instantiator), module_type)
 
         def _strategy(self, cls, *args, **kwargs):
             try:
                 return cls(*args, **kwargs)
             except PlanError as error:
-                self.strategy_error = error
+                self.refusal = error
                 raise
 
+        def _module(self, lightning_instantiator):
+            """Notes a ValueError of a model or data module class of this package; a class of the user's keeps
+            jsonargparse's report, with the traceback its bug needs."""
+
+            def instantiator(cls, *args, applied_instantiation_links: dict, **kwargs):  # Lightning's needs these
+                try:
+                    return lightning_instantiator(
+                        cls, *args, applied_instantiation_links=applied_instantiation_links, **kwargs
+                    )
+                except ValueError as error:
+                    if cls.__module__.startswith("lightning_hstu."):
+                        self.refusal = ConfigError(f"{cls.__name__}: {error}")
+                    raise
+
+            return instantiator
+
         def instantiate_classes(self) -> None:
-            """A ``PlanError`` of the config's strategy (a mistyped ``init_args.preset``) is raised as itself:
-            jsonargparse reports it inside a ValueError of its own that quotes every argument of the strategy."""
+            """A ``PlanError`` of the config's strategy (a mistyped ``init_args.preset``) is raised as itself, a
+            ``ValueError`` of this package's model or data module (``retrieval_loss=xyz``, ``batch_size=0``) as
+            a ``ConfigError`` naming the class: jsonargparse reports either inside a ValueError of its own that
+            quotes every argument of the class."""
             try:
                 super().instantiate_classes()
             except ValueError:
-                if self.strategy_error is None:
+                if self.refusal is None:
                     raise
-                raise self.strategy_error from None
+                raise self.refusal from None
 
         def after_fit(self) -> None:
             from .callbacks import RankingReport

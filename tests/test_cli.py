@@ -1,5 +1,6 @@
 """The ``lightning-hstu`` command a user runs: the presets table, a custom plan, the demo."""
 
+import os
 import re
 import subprocess
 import sys
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from lightning_hstu import PRESET_NAMES, make_plan
-from lightning_hstu.cli import main
+from lightning_hstu.cli import ConfigError, main
+from lightning_hstu.models.toy import ToyRecommender
 
 
 def run_cli(capsys, *args):
@@ -217,6 +219,52 @@ def test_fit_with_an_unknown_preset_in_init_args_lists_the_valid_ones(tmp_path):
     assert result.returncode == 2
     assert "lightning-hstu: error: unknown preset 'fastest'; valid presets: legacy_none, default_d3" in result.stderr
     assert "Traceback" not in result.stderr  # jsonargparse's, around a ValueError quoting every argument, before
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        (
+            "--model.init_args.retrieval_loss=xyz",
+            "HSTURecommender: unknown retrieval_loss 'xyz'; valid: auto, full, sampled, in_batch",
+        ),
+        ("--data.init_args.batch_size=0", "MovieLens: batch_size must be at least 1, got 0"),
+    ],
+)
+def test_a_bad_model_or_data_argument_exits_2_with_one_line_naming_the_class(tmp_path, argument, message):
+    """The constructor's ValueError came inside jsonargparse's, as a traceback quoting every argument (exit
+    code 1). Refused before MovieLens is fetched: the cache folder is not even made."""
+    script = Path(sys.executable).parent / "lightning-hstu"
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    run.mkdir()
+    result = subprocess.run(
+        [str(script), "fit", "--config", str(EXAMPLE.parent / "movielens.yaml"), argument],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=run,
+        env={**os.environ, "LIGHTNING_HSTU_CACHE": str(cache)},
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lightning-hstu: error:")]
+    assert errors == [f"lightning-hstu: error: {message}"]
+    assert "Traceback" not in result.stderr
+    assert not list(run.iterdir()) and not cache.exists()
+
+
+class RefusingModel(ToyRecommender):
+    def __init__(self, width: int = 1):
+        super().__init__()
+        if width != 1:
+            raise ValueError("a bug of the user's own")
+
+
+def test_a_value_error_of_a_users_own_model_keeps_jsonargparses_report():
+    """Only this package's classes are cut to one line: a user's model, even a subclass of one of them, may
+    have a bug, and its traceback is what finds it."""
+    with pytest.raises(ValueError, match="a bug of the user's own") as info:
+        main(["fit", "--config", str(EXAMPLE), f"--model={__name__}.RefusingModel", "--model.init_args.width=2"])
+    assert not isinstance(info.value, ConfigError)
 
 
 @pytest.mark.parametrize(
