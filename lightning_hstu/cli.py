@@ -59,11 +59,14 @@ def run_lightning_cli(argv: list[str] | None):
         def before_instantiate_classes(self) -> None:
             self.refusal: PlanError | ConfigError | None = None
             self.parser.add_instantiator(self._strategy, HSTUPipelineStrategy)
+            registered = getattr(self.parser, "_instantiators", None) or {}
             for module_type in (LightningModule, LightningDataModule):
                 # LightningCLI registered an instantiator of its own for each (it hands the module the
-                # hyper-parameters that its checkpoints keep): wrapped, in its place
-                lightning_instantiator = self.parser._instantiators[(module_type, True)]
-                self.parser.add_instantiator(self._module(lightning_instantiator), module_type)
+                # hyper-parameters that its checkpoints keep): wrapped, in its place. A jsonargparse that
+                # keeps them elsewhere leaves its own report in place.
+                lightning_instantiator = registered.get((module_type, True))
+                if lightning_instantiator is not None:
+                    self.parser.add_instantiator(self._module(lightning_instantiator), module_type)
 
         def _strategy(self, cls, *args, **kwargs):
             try:
