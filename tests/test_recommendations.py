@@ -209,3 +209,46 @@ def test_two_ranks_write_one_file_with_every_user_once(tmp_path):
         scores = [score for _, score in recommended]
         assert len(items) == 4 and 0 not in items and not set(items) & set(saved["histories"][user])
         assert scores == sorted(scores, reverse=True)
+
+
+class _SharedDirectoryLogger(pl.loggers.Logger):
+    """A logger whose directory is shared by every run, as WandbLogger's ``save_dir`` (default ``.``),
+    MLFlowLogger's (``./mlruns``) or LitLogger's (``root/name``): Lightning's ``trainer.log_dir`` is then that
+    directory, not a ``version_N`` of the run's own."""
+
+    name, version = "shared", 0
+
+    def __init__(self, save_dir):
+        super().__init__()
+        self._save_dir = str(save_dir)
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def test_a_logger_without_a_run_directory_of_its_own_never_gets_an_earlier_file_written_over(tmp_path):
+    """With a WandbLogger (save_dir ".") predict wrote ./recommendations.csv over whatever was there: a user's
+    file, the recommendations of an earlier run."""
+    writer = RecommendationWriter(top_k=2)
+    model, data, _ = _trained(tmp_path / "fit", writer)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "recommendations.csv").write_text("an earlier run's recommendations")
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("default_d6"),
+        accelerator="cpu",
+        devices=1,
+        callbacks=[writer],
+        **{**QUIET, "logger": _SharedDirectoryLogger(shared)},
+    )
+    trainer.predict(model, datamodule=data, return_predictions=False)
+    assert (shared / "recommendations.csv").read_text() == "an earlier run's recommendations"
+    assert writer.path == shared / "recommendations-v1.csv"
+    assert len(_read(writer.path)) == len(data.latest)

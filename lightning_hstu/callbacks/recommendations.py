@@ -14,8 +14,10 @@ from ..paths import unused
 class RecommendationWriter(BasePredictionWriter):
     """Writes the recommendations of ``trainer.predict`` (``models.ranking.RankingEvaluation.predict_step``:
     each user's ``top_k`` best next items, the items already in the history left out unless
-    ``seen_items``) to ``<log_dir>/<filename>`` (without a logger ``<default_root_dir>/<filename>``, or
-    ``<stem>-v1.csv``... where that is taken), a CSV file with one row per user and recommendation:
+    ``seen_items``) to ``<log_dir>/<filename>`` (Lightning's ``trainer.log_dir``: a CSV or TensorBoard
+    logger's ``version_N``, another logger's ``save_dir``, without a logger ``default_root_dir``), or
+    ``<stem>-v1.csv``... where that is taken (never over a file already there), a CSV file with one row per
+    user and recommendation:
     ``user,rank,item,score`` (rank 1 is the best), users in ascending order, with the dataset's own user
     and item ids where the data module renumbered them (``user_ids``/``item_ids``: MovieLens's userId and
     movieId). Every rank's recommendations are gathered to rank 0, which writes the file. Recommendations
@@ -57,10 +59,9 @@ class RecommendationWriter(BasePredictionWriter):
         self._rows = []
         if not trainer.is_global_zero:
             return
-        if trainer.loggers:  # the run's own directory: a second predict of the run writes over its first
-            self.path = Path(log_dir or trainer.default_root_dir) / self.filename
-        else:  # the working directory: never over a file already there
-            self.path = unused(Path(trainer.default_root_dir) / self.filename)
+        # never over a file already there: log_dir is a run's own version_N only under a CSV or TensorBoard
+        # logger; under others (Wandb, MLflow, LitLogger) it is their save_dir, which every run shares
+        self.path = unused(Path(log_dir or trainer.default_root_dir) / self.filename)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         users, items = (getattr(trainer.datamodule, name, None) for name in ("user_ids", "item_ids"))
         if users is not None or items is not None:
