@@ -252,3 +252,36 @@ def test_a_logger_without_a_run_directory_of_its_own_never_gets_an_earlier_file_
     assert (shared / "recommendations.csv").read_text() == "an earlier run's recommendations"
     assert writer.path == shared / "recommendations-v1.csv"
     assert len(_read(writer.path)) == len(data.latest)
+
+
+def test_a_write_that_fails_half_way_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A disk that fills up (or a process killed) while the rows are written: before, a truncated
+    recommendations.csv stayed under the file's name, header and all, like a finished one."""
+    import csv
+    import errno
+
+    writer = RecommendationWriter(top_k=2)
+    model, data, trainer = _trained(tmp_path, writer)
+    make_writer = csv.writer
+
+    class FillsTheDisk:
+        def __init__(self, file, *args, **kwargs):
+            self.rows = make_writer(file, *args, **kwargs)
+
+        def writerow(self, row):
+            self.rows.writerow(row)
+
+        def writerows(self, rows):
+            rows = list(rows)
+            self.rows.writerows(rows[: len(rows) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(csv, "writer", FillsTheDisk)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.predict(model, datamodule=data, return_predictions=False)
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert not list(run_dir.glob("*recommendations*")), list(run_dir.iterdir())  # nothing half-written
+    monkeypatch.setattr(csv, "writer", make_writer)
+    trainer.predict(model, datamodule=data, return_predictions=False)
+    assert writer.path == run_dir / "recommendations.csv"
+    assert len(_read(writer.path)) == len(data.latest)

@@ -2,6 +2,7 @@
 
 import csv
 import math
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,11 +18,12 @@ class RecommendationWriter(BasePredictionWriter):
     ``seen_items``) to ``<log_dir>/<filename>`` (Lightning's ``trainer.log_dir``: a CSV or TensorBoard
     logger's ``version_N``, another logger's ``save_dir``, without a logger ``default_root_dir``), or
     ``<stem>-v1.csv``... where that is taken (never over a file already there), a CSV file with one row per
-    user and recommendation:
-    ``user,rank,item,score`` (rank 1 is the best), users in ascending order, with the dataset's own user
-    and item ids where the data module renumbered them (``user_ids``/``item_ids``: MovieLens's userId and
-    movieId). Every rank's recommendations are gathered to rank 0, which writes the file. Recommendations
-    for no item (score -inf: a user who has seen nearly the whole catalogue) are left out."""
+    user and recommendation: ``user,rank,item,score`` (rank 1 is the best), users in ascending order, with
+    the dataset's own user and item ids where the data module renumbered them (``user_ids``/``item_ids``:
+    MovieLens's userId and movieId). Every rank's recommendations are gathered to rank 0, which writes the
+    file under a hidden name and renames it into place when whole (a write cut short leaves no truncated
+    file). Recommendations for no item (score -inf: a user who has seen nearly the whole catalogue) are
+    left out."""
 
     def __init__(self, top_k: int = 10, seen_items: bool = False, filename: str = "recommendations.csv"):
         super().__init__(write_interval="batch")
@@ -59,19 +61,28 @@ class RecommendationWriter(BasePredictionWriter):
         self._rows = []
         if not trainer.is_global_zero:
             return
-        # never over a file already there: log_dir is a run's own version_N only under a CSV or TensorBoard
-        # logger; under others (Wandb, MLflow, LitLogger) it is their save_dir, which every run shares
-        self.path = unused(Path(log_dir or trainer.default_root_dir) / self.filename)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        path = Path(log_dir or trainer.default_root_dir) / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
         users, items = (getattr(trainer.datamodule, name, None) for name in ("user_ids", "item_ids"))
         if users is not None or items is not None:
             rows = [
                 (user if users is None else users[user], rank, item if items is None else items[item], score)
                 for user, rank, item, score in rows
             ]
-        with self.path.open("w", newline="") as file:
-            writer = csv.writer(file)
-            writer.writerow(("user", "rank", "item", "score"))
-            writer.writerows(sorted(rows))
+        # written whole under a hidden name, then renamed: a write cut short (a full disk, a kill) leaves no
+        # truncated file under the name a reader takes for finished
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with partial.open("w", newline="") as file:
+                writer = csv.writer(file)
+                writer.writerow(("user", "rank", "item", "score"))
+                writer.writerows(sorted(rows))
+            # never over a file already there: log_dir is a run's own version_N only under a CSV or
+            # TensorBoard logger; under others (Wandb, MLflow, LitLogger) it is their save_dir, which every
+            # run shares
+            self.path = unused(path)
+            os.replace(partial, self.path)
+        finally:
+            partial.unlink(missing_ok=True)
         users = len({row[0] for row in rows})
         rank_zero_info(f"recommendations for {users} users written to {self.path}")
