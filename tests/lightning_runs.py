@@ -23,6 +23,28 @@ _SCRATCH = tempfile.TemporaryDirectory(prefix="lightning-runs-")
 under ``default_root_dir``, the working directory unless given): removed at the end of the process."""
 
 
+class SharedDirectoryLogger(Logger):
+    """A logger whose directory is shared by every run, as WandbLogger's ``save_dir`` (default ``.``),
+    MLFlowLogger's (``./mlruns``) or LitLogger's (``root/name``): Lightning's ``trainer.log_dir`` is then that
+    directory, not a ``version_N`` of the run's own."""
+
+    name, version = "shared", 0
+
+    def __init__(self, save_dir):
+        super().__init__()
+        self._save_dir = str(save_dir)
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
 class RecordingLogger(Logger):
     """A logger that keeps every ``(step, metrics)`` row it is given, in memory."""
 

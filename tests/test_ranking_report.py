@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_runs import SharedDirectoryLogger
 from ranks import run_script
 from small_hstu import small_data
 
@@ -217,3 +218,35 @@ def test_a_test_without_fit_or_checkpoint_names_the_weights_and_stays_out_of_oth
     later.fit(SASRecRecommender(**SMALL_SASREC), data)
     later.test(later.lightning_module, datamodule=data, verbose=False)
     assert f"({fitted}," in capsys.readouterr().out  # the SASRec run beside it is the fitted one
+
+
+def test_a_logger_without_a_run_directory_of_its_own_keeps_other_runs_results(tmp_path, capsys):
+    """Under a WandbLogger (save_dir ".") ``trainer.log_dir`` is a directory every run shares: the report wrote
+    its ranking.json there, over the last run's (SASRec's result, gone from every later report), and read
+    "other runs" from the folders beside it. With no run directory of its own it writes and reads none."""
+    shared = tmp_path / "shared"
+    (tmp_path / "other_project").mkdir(parents=True)
+    shared.mkdir()
+    data = small_data(negatives=0)
+    data.setup()
+    metrics = {ranking: dict.fromkeys(METRICS, 0.5) for ranking in RANKINGS}
+    earlier = {"model": "SASRec-a", "data": data.description, "metrics": metrics, "run": "a", "finished": "then"}
+    (shared / "ranking.json").write_text(json.dumps(earlier))
+    (tmp_path / "other_project" / "ranking.json").write_text(json.dumps({**earlier, "model": "elsewhere"}))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=SharedDirectoryLogger(shared),
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[RankingReport()],
+    )
+    trainer.fit(SASRecRecommender(**SMALL_SASREC), data)
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    out = capsys.readouterr().out
+    assert "ranked among all items:" in out  # the report is printed
+    assert json.loads((shared / "ranking.json").read_text()) == earlier
+    assert "elsewhere" not in out

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_runs import QUIET
+from lightning_runs import QUIET, SharedDirectoryLogger
 from ranks import run_script
 from small_hstu import model_and_data
 
@@ -211,28 +211,6 @@ def test_two_ranks_write_one_file_with_every_user_once(tmp_path):
         assert scores == sorted(scores, reverse=True)
 
 
-class _SharedDirectoryLogger(pl.loggers.Logger):
-    """A logger whose directory is shared by every run, as WandbLogger's ``save_dir`` (default ``.``),
-    MLFlowLogger's (``./mlruns``) or LitLogger's (``root/name``): Lightning's ``trainer.log_dir`` is then that
-    directory, not a ``version_N`` of the run's own."""
-
-    name, version = "shared", 0
-
-    def __init__(self, save_dir):
-        super().__init__()
-        self._save_dir = str(save_dir)
-
-    @property
-    def save_dir(self):
-        return self._save_dir
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_hyperparams(self, *args, **kwargs):
-        pass
-
-
 def test_a_logger_without_a_run_directory_of_its_own_never_gets_an_earlier_file_written_over(tmp_path):
     """With a WandbLogger (save_dir ".") predict wrote ./recommendations.csv over whatever was there: a user's
     file, the recommendations of an earlier run."""
@@ -246,7 +224,7 @@ def test_a_logger_without_a_run_directory_of_its_own_never_gets_an_earlier_file_
         accelerator="cpu",
         devices=1,
         callbacks=[writer],
-        **{**QUIET, "logger": _SharedDirectoryLogger(shared)},
+        **{**QUIET, "logger": SharedDirectoryLogger(shared)},
     )
     trainer.predict(model, datamodule=data, return_predictions=False)
     assert (shared / "recommendations.csv").read_text() == "an earlier run's recommendations"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from ..data.evaluation import METRICS, RANKINGS
@@ -22,8 +23,9 @@ class RankingReport(Callback):
     the test items once, with those weights. After the test it prints every metric under both rankings for
     this model, for each other model whose ``ranking.json`` lies in a sibling run directory with the same
     data description (the latest run per model), and for the most-popular baseline; and writes this run's
-    ``ranking.json`` into its log directory (without a logger there is none: nothing is written and no other
-    run is read). The report names the weights it tested: the best epoch's where ``on_fit_end`` put them
+    ``ranking.json`` into its log directory (a CSV or TensorBoard logger's ``version_N``; without a logger, or
+    under another, whose directory every run shares, there is none: nothing is written and no other run is
+    read). The report names the weights it tested: the best epoch's where ``on_fit_end`` put them
     back, a checkpoint's (``trainer.test(ckpt_path=...)``), those at the end of fit, with the best epoch
     they are not (a fit that raised; a resumed fit whose best epoch came before the resume and stayed best:
     the checkpoint carries the best score and epoch, not their weights), or, with neither a fit nor a
@@ -76,6 +78,8 @@ class RankingReport(Callback):
     def on_test_end(self, trainer, pl_module) -> None:
         # on every rank: Lightning's log_dir is a broadcast from rank 0, which only rank 0 would join below
         log_dir = trainer.log_dir if trainer.loggers else None  # no logger, no run directory (log_dir: the cwd)
+        if trainer.loggers and not isinstance(trainer.loggers[0], (CSVLogger, TensorBoardLogger)):
+            log_dir = None  # log_dir is then the logger's save_dir (Wandb: "."), which every run shares
         self._report(trainer, pl_module, log_dir)
 
     def tested(self, trainer) -> str:
