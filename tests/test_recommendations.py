@@ -263,3 +263,25 @@ def test_a_write_that_fails_half_way_leaves_no_partial_file(tmp_path, monkeypatc
     trainer.predict(model, datamodule=data, return_predictions=False)
     assert writer.path == run_dir / "recommendations.csv"
     assert len(_read(writer.path)) == len(data.latest)
+
+
+def test_scores_that_are_not_a_number_raise_and_write_no_file(tmp_path):
+    """A model whose weights went non-finite scores NaN, which ``topk`` ranks above every item: the file
+    would hold fewer or no items for those users, with nothing said."""
+    writer = RecommendationWriter(top_k=2)
+    model, data, trainer = _trained(tmp_path, writer)
+    score_items = model.score_items
+
+    def some_not_a_number(batch):
+        scores = score_items(batch)
+        scores[::2] = float("nan")
+        return scores
+
+    model.score_items = some_not_a_number
+    with pytest.raises(ValueError, match=r"scored NaN for \d+ users .* no recommendations written"):
+        trainer.predict(model, datamodule=data, return_predictions=False)
+    assert writer.path is None
+    assert not list((tmp_path / "lightning_logs" / "version_0").glob("*recommendations*"))
+    model.score_items = score_items
+    trainer.predict(model, datamodule=data, return_predictions=False)  # the next predict starts afresh
+    assert len(_read(writer.path)) == len(data.latest)

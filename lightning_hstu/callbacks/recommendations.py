@@ -23,7 +23,9 @@ class RecommendationWriter(BasePredictionWriter):
     MovieLens's userId and movieId). Every rank's recommendations are gathered to rank 0, which writes the
     file under a hidden name and renames it into place when whole (a write cut short leaves no truncated
     file). Recommendations for no item (score -inf: a user who has seen nearly the whole catalogue) are
-    left out."""
+    left out. Scores that are not a number (weights or inputs that went non-finite) raise on every rank,
+    naming the users, and write no file: ``topk`` ranks NaN above every item, so the file would hold fewer
+    or no items for them, silently."""
 
     def __init__(self, top_k: int = 10, seen_items: bool = False, filename: str = "recommendations.csv"):
         super().__init__(write_interval="batch")
@@ -33,18 +35,22 @@ class RecommendationWriter(BasePredictionWriter):
         self.path: Path | None = None
         """The file written by the last predict (None before)."""
         self._rows: list[tuple[int, int, int, float]] = []
+        self._not_a_number: list[int] = []
+        """Users with a NaN among their best scores, in this predict."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "predict":
             pl_module.predict_top_k, pl_module.predict_seen_items = self.top_k, self.seen_items
 
     def on_predict_epoch_start(self, trainer, pl_module) -> None:
-        self._rows = []
+        self._rows, self._not_a_number = [], []
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         for user, items, scores in zip(
             prediction["user"].tolist(), prediction["items"].tolist(), prediction["scores"].tolist()
         ):
+            if any(math.isnan(score) for score in scores):
+                self._not_a_number.append(user)
             self._rows.extend(
                 (user, rank, item, score)
                 for rank, (item, score) in enumerate(zip(items, scores), 1)
@@ -53,12 +59,20 @@ class RecommendationWriter(BasePredictionWriter):
 
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
         log_dir = trainer.log_dir  # on every rank: a broadcast from rank 0
-        rows = self._rows
+        rows, not_a_number = self._rows, self._not_a_number
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, rows)
-            rows = [row for part in gathered for row in part]
-        self._rows = []
+            dist.all_gather_object(gathered, (rows, not_a_number))
+            rows = [row for part, _ in gathered for row in part]
+            not_a_number = [user for _, part in gathered for user in part]
+        self._rows, self._not_a_number = [], []
+        if not_a_number:  # on every rank: each has gathered the same users
+            users = sorted(not_a_number)
+            raise ValueError(
+                f"the model scored NaN for {len(users)} users ({', '.join(map(str, users[:5]))}"
+                f"{', ...' if len(users) > 5 else ''}; the model's own user ids): its weights or their inputs are "
+                f"not finite; no recommendations written"
+            )
         if not trainer.is_global_zero:
             return
         path = Path(log_dir or trainer.default_root_dir) / self.filename
