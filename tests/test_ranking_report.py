@@ -250,3 +250,26 @@ def test_a_logger_without_a_run_directory_of_its_own_keeps_other_runs_results(tm
     assert "ranked among all items:" in out  # the report is printed
     assert json.loads((shared / "ranking.json").read_text()) == earlier
     assert "elsewhere" not in out
+
+
+def test_a_test_over_part_of_the_users_is_labelled_and_kept_apart_from_full_tests(tmp_path, capsys):
+    """``limit_test_batches`` tests a share of the users: its means are not comparable with a full test's, so
+    the report says so and neither run's report shows the other."""
+    full = fit_and_test(tmp_path, SASRecRecommender(**SMALL_SASREC), RankingReport(name="SASRec-full"), epochs=1)
+    full_data = json.loads((Path(full.log_dir) / "ranking.json").read_text())["data"]
+    assert "tested on" not in full_data
+    capsys.readouterr()
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer(tmp_path, RankingReport(name="SASRec-part"), epochs=1)
+    data = small_data(negatives=0)
+    trainer.fit(SASRecRecommender(**SMALL_SASREC), data)
+    trainer.limit_test_batches = 1
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    out = capsys.readouterr().out
+    report = out[out.index("test (") :]
+    batches = len(data.test_dataloader())
+    assert batches > 1
+    assert f"tested on 1 of {batches} test batches" in report.splitlines()[0]
+    assert "SASRec-full" not in report  # the full test's run is not set beside this one
+    part = json.loads((Path(trainer.log_dir) / "ranking.json").read_text())
+    assert part["data"] == f"{full_data}; tested on 1 of {batches} test batches"

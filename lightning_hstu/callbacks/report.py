@@ -107,12 +107,13 @@ class RankingReport(Callback):
         if not metrics:
             return
         data = trainer.datamodule
+        description = data.description + _test_share(trainer)
         name = self.name or _model_name(pl_module)
         weights = self.tested(trainer)
         run_dir = Path(log_dir) if log_dir else None
         result = {
             "model": name,
-            "data": data.description,
+            "data": description,
             "metrics": metrics,
             "best_epoch": self.best_epoch,
             "weights": weights,
@@ -121,13 +122,13 @@ class RankingReport(Callback):
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             "run": str(run_dir) if run_dir else None,
         }
-        others = _other_runs(run_dir, data.description, name) if run_dir else []
+        others = _other_runs(run_dir, description, name) if run_dir else []
         rows = [
             (name, metrics, ""),
             *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
             ("most popular", data.most_popular("test"), ""),
         ]
-        print(format_report(data.description, rows, weights))
+        print(format_report(description, rows, weights))
         if run_dir is not None and weights != UNFITTED:  # not a run of the model: other reports must not show it
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RESULTS_FILE).write_text(json.dumps(result, indent=2))
@@ -145,6 +146,20 @@ def format_report(description: str, rows, weights: str) -> str:
             if ranking in metrics:
                 lines.append(f"  {name:<{width}}" + "".join(f"{metrics[ranking][m]:9.4f}" for m in METRICS) + note)
     return "\n".join(lines)
+
+
+def _test_share(trainer) -> str:
+    """'' where the test ran over every batch of its loader, else which share it ran over (``limit_test_batches``,
+    ``fast_dev_run``): the means of a share are not those of all test users, so the description that the
+    report matches runs by says so."""
+    loaders, ran = trainer.test_dataloaders, trainer.num_test_batches
+    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    if not ran or len(loaders) != len(ran) or not all(hasattr(loader, "__len__") for loader in loaders):
+        return ""
+    batches = [len(loader) for loader in loaders]
+    if all(done >= total for done, total in zip(ran, batches)):
+        return ""
+    return f"; tested on {sum(min(d, t) for d, t in zip(ran, batches))} of {sum(batches)} test batches"
 
 
 def _model_name(pl_module) -> str:
