@@ -356,3 +356,50 @@ def test_a_checkpoint_directory_without_its_trainer_state_is_refused_naming_it(t
     (broken / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(CheckpointError, match="holds shards but no lightning.pt"):
         HSTUPipelineStrategy("default_d6").load_checkpoint(broken)
+
+
+# ----- a damaged checkpoint is named ------------------------------------------------------------------------
+
+
+def cut_short(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: os.path.getsize(file) // 2])
+
+
+def overwrite_middle(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = b"\x9f" * 16
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "entry, damage",
+    [
+        (None, cut_short),  # a plain .ckpt file (a module without sharded tables)
+        (None, lambda file: file.write_bytes(b"")),
+        ("lightning.pt", cut_short),
+        (".metadata", cut_short),
+        (".metadata", overwrite_middle),
+    ],
+    ids=["ckpt cut short", "ckpt empty", "lightning.pt cut short", ".metadata cut short", ".metadata overwritten"],
+)
+def test_a_damaged_checkpoint_file_is_refused_naming_it(uninterrupted, tmp_path, entry, damage):
+    """A checkpoint cut short by a copy or a disk that filled up: the fit failed with torch's and pickle's
+    errors, which name no file and do not say it is the checkpoint (``OSError: [Errno 22] Invalid argument``
+    for a .ckpt cut short, a bare ``EOFError`` for an empty one, ``UnpicklingError: pickle data was
+    truncated`` or ``UnicodeDecodeError`` for DCP's index)."""
+    if entry is None:
+        from lightning_runs import fit
+
+        saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}")
+        fit(HSTUPipelineStrategy("default_d6"), max_steps=3, enable_checkpointing=True, callbacks=[saver])
+        checkpoint = damaged = tmp_path / "step=3.ckpt"
+        damage(damaged)
+        with pytest.raises(CheckpointError, match=rf"checkpoint file {checkpoint} could not be read .*damaged"):
+            fit(HSTUPipelineStrategy("default_d6"), ckpt_path=checkpoint)
+        return
+    out, _ = uninterrupted
+    checkpoint = tmp_path / "copied.ckpt"
+    shutil.copytree(out / "step=3.ckpt", checkpoint)
+    damage(checkpoint / entry)
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {checkpoint / entry} could not be read .*damaged"):
+        fit_hstu(6, ckpt_path=checkpoint)

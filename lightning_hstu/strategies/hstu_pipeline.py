@@ -3,6 +3,7 @@
 import contextlib
 import difflib
 import inspect
+import pickle
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -336,7 +337,12 @@ class HSTUPipelineStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if not sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             sharded_checkpoint.check_not_partial(checkpoint_path)
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            try:
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            except (FileNotFoundError, IsADirectoryError, PermissionError, pickle.UnpicklingError):
+                raise  # Lightning's and torch's messages name the file, or say what weights_only refused
+            except (OSError, EOFError, RuntimeError) as error:  # a file cut short or damaged
+                raise sharded_checkpoint.unreadable(checkpoint_path, error) from error
         trainer = self.lightning_module.trainer
         connector = trainer._checkpoint_connector
 

@@ -81,6 +81,15 @@ def check_not_partial(path: str | Path) -> None:
         )
 
 
+def unreadable(file: str | Path, error: BaseException) -> CheckpointError:
+    """A checkpoint file that its reader could not parse, named: torch's and pickle's own errors name no file
+    (a ``.ckpt`` cut short raises ``OSError: [Errno 22] Invalid argument``, an empty one a bare ``EOFError``)."""
+    return CheckpointError(
+        f"checkpoint file {file} could not be read ({_describe(error)}): it is truncated or damaged (a save or "
+        f"copy that did not finish, a disk error) or not a checkpoint. Load another checkpoint"
+    )
+
+
 def new_save_id() -> str:
     return uuid.uuid4().hex
 
@@ -145,7 +154,7 @@ def _first_failure(error: BaseException) -> BaseException:
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _save_error(path: Path, what: str) -> CheckpointError:
@@ -287,13 +296,17 @@ def load_shards(state: dict[str, Any], path: str | Path, safe: bool = True, meta
 
 
 def _load_lightning_file(file: Path, safe: bool) -> dict[str, Any]:
-    if not safe:
-        return torch.load(file, weights_only=False)
     try:
+        if not safe:
+            return torch.load(file, weights_only=False)
         with torch.serialization.safe_globals(_TRAINER_STATE_GLOBALS):
             return torch.load(file, weights_only=True)
     except pickle.UnpicklingError as error:
+        if not safe:
+            raise unreadable(file, error) from error
         raise _unsafe_error(file, _torch_reason(error)) from None
+    except (OSError, EOFError, RuntimeError, ValueError) as error:
+        raise unreadable(file, error) from error
 
 
 _TRAINER_STATE_GLOBALS = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath]
@@ -355,7 +368,12 @@ def _read_metadata(path: Path, safe: bool) -> Any:
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no {METADATA_FILE}: its shards were not completely written")
     with open(file, "rb") as stream:
-        return (_MetadataUnpickler(stream, file) if safe else pickle.Unpickler(stream)).load()
+        try:
+            return (_MetadataUnpickler(stream, file) if safe else pickle.Unpickler(stream)).load()
+        except CheckpointError:
+            raise
+        except Exception as error:  # cut short or damaged: pickle's errors name no file
+            raise unreadable(file, error) from error
 
 
 class _ReaderOf(dcp.FileSystemReader):
