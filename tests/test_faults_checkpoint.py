@@ -4,11 +4,13 @@ loadable (and resuming from them equals the run that never failed), and a direct
 is refused. The HSTU recommender on one process (its tables are sharded, so its checkpoints are
 directories); tests/test_hstu_checkpoint.py has the two-rank ones."""
 
+import io
 import os
 import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -356,6 +358,63 @@ def test_a_checkpoint_directory_without_its_trainer_state_is_refused_naming_it(t
     (broken / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(CheckpointError, match="holds shards but no lightning.pt"):
         HSTUPipelineStrategy("default_d6").load_checkpoint(broken)
+
+
+def dies_halfway_into(target: str, nth: int, monkeypatch) -> None:
+    """The ``nth`` write of a file whose name holds ``target`` stops halfway with an error (a full disk, a job
+    killed): whether the bytes go through ``torch.save`` into the file or are copied into it from elsewhere."""
+    seen = {"calls": 0}
+
+    def hit(name) -> bool:
+        if target not in Path(str(name)).name:
+            return False
+        seen["calls"] += 1
+        return seen["calls"] == nth
+
+    save, copyfile = torch.save, shutil.copyfile
+
+    def failing_save(obj, f, *args, **kwargs):
+        if not hit(getattr(f, "name", f)):
+            return save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        f.write(data) if hasattr(f, "write") else Path(f).write_bytes(data)
+        raise Injected("killed halfway through the checkpoint (injected)")
+
+    def failing_copyfile(src, dst, *args, **kwargs):
+        if not hit(dst):
+            return copyfile(src, dst, *args, **kwargs)
+        Path(dst).write_bytes(Path(src).read_bytes()[: os.path.getsize(src) // 2])
+        raise Injected("killed halfway through the checkpoint (injected)")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(shutil, "copyfile", failing_copyfile)
+
+
+def test_a_checkpoint_file_killed_halfway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """A module without sharded tables saves one file (the toy model, SASRec). Lightning wrote it in the
+    system's temporary folder and moved it over the checkpoint; with that folder on another file system than
+    the checkpoints (a node's /tmp, checkpoints on a shared disk) the move copies into the checkpoint itself,
+    and a save of last.ckpt killed during the copy left last.ckpt cut short: the previous one lost, and no
+    checkpoint to resume from."""
+    from lightning_runs import assert_same_weights, fit
+
+    elsewhere = Path("/dev/shm")
+    if not elsewhere.is_dir() or os.stat(elsewhere).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a temporary folder on another file system than tmp_path (/dev/shm)")
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.mkdtemp(dir=elsewhere))
+    uninterrupted, _ = fit(HSTUPipelineStrategy("default_d6"), max_steps=6)
+    saved = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=saved, every_n_train_steps=3, save_top_k=0, save_last=True)
+    with monkeypatch.context() as patch:
+        dies_halfway_into("last.ckpt", 2, patch)  # the save at step 6
+        with pytest.raises(Injected):
+            fit(HSTUPipelineStrategy("default_d6"), max_steps=6, enable_checkpointing=True, callbacks=[saver])
+    assert os.listdir(saved) == ["last.ckpt"]  # nothing half-written left beside it
+    assert torch.load(saved / "last.ckpt", weights_only=True)["global_step"] == 3
+    resumed, _ = fit(HSTUPipelineStrategy("default_d6"), max_steps=6, ckpt_path=saved / "last.ckpt")
+    assert_same_weights(resumed, uninterrupted)
 
 
 # ----- a damaged checkpoint is named ------------------------------------------------------------------------

@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import fsspec
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -318,12 +320,26 @@ class HSTUPipelineStrategy(DDPStrategy):
         _record_mid_epoch_shares(getattr(self.lightning_module, "_trainer", None), checkpoint)
         with self._step_timeout_paused():  # writing a checkpoint may rightly take longer than a step
             if not sharded_checkpoint.holds_sharded(checkpoint):
-                return super().save_checkpoint(checkpoint, filepath, storage_options)
+                if not self._writes_local_files(filepath, storage_options):
+                    return super().save_checkpoint(checkpoint, filepath, storage_options)
+                if self.is_global_zero:
+                    sharded_checkpoint.save_file(checkpoint, filepath)
+                return None
             if storage_options is not None:
                 raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
             # one id, and one staging directory, for all ranks
             save_id = self.broadcast(sharded_checkpoint.new_save_id())
             sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
+
+    def _writes_local_files(self, filepath: Any, storage_options: Any) -> bool:
+        """Whether a checkpoint without sharded tensors is one local file that Lightning's default checkpoint
+        I/O would write (``sharded_checkpoint.save_file`` writes it atomically instead); any other checkpoint
+        I/O, a remote path or ``storage_options`` are left to Lightning."""
+        return (
+            storage_options is None
+            and type(self.checkpoint_io) is TorchCheckpointIO
+            and fsspec.utils.get_protocol(str(filepath)) == "file"
+        )
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -125,6 +125,28 @@ def save(
         raise _save_error(path, reported) from failure
 
 
+def save_file(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """A checkpoint without sharded tensors, as one file written by rank 0: into a hidden sibling, then renamed
+    into place, so that a save that fails or is killed leaves whatever was under ``path`` whole. (Lightning's
+    own save writes a temporary file in the system's temporary folder and moves it over ``path``: where that
+    folder is on another file system than the checkpoints, the move copies into ``path`` itself, and a kill
+    during the copy leaves the checkpoint cut short, the previous one gone.)"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.{new_save_id()}.saving"
+    try:
+        with open(staging, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        _remove(staging)
+        raise
+    for leftover in path.parent.glob(f".{path.name}.*.saving*"):  # of saves killed before they could clean up
+        _remove(leftover)
+
+
 def _finish_on_rank_zero(
     checkpoint: dict[str, Any], sharded: dict[str, Any], staging: Path, path: Path, save_id: str
 ) -> Exception | None:
