@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 
 from lightning_runs import QUIET
 from ranks import launch_env
+from ranks import run_script as run_ranks_script
 from small_hstu import SMALL_MODEL, small_data
 
 from lightning_hstu import HSTUPipelineStrategy
@@ -28,7 +29,8 @@ from lightning_hstu.loops import CheckpointError
 from lightning_hstu.models.hstu import HSTURecommender
 from lightning_hstu.strategies import sharded_checkpoint
 
-SCRIPT = Path(__file__).parent / "scripts" / "hstu_resume.py"
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = SCRIPTS / "hstu_resume.py"
 
 
 def fit_hstu(
@@ -409,12 +411,27 @@ def test_a_checkpoint_file_killed_halfway_leaves_the_previous_one_whole(tmp_path
     saver = ModelCheckpoint(dirpath=saved, every_n_train_steps=3, save_top_k=0, save_last=True)
     with monkeypatch.context() as patch:
         dies_halfway_into("last.ckpt", 2, patch)  # the save at step 6
-        with pytest.raises(Injected):
+        with pytest.raises(CheckpointError, match="could not save checkpoint .*last.ckpt.*Injected") as raised:
             fit(HSTUPipelineStrategy("default_d6"), max_steps=6, enable_checkpointing=True, callbacks=[saver])
+    assert isinstance(raised.value.__cause__, Injected)
     assert os.listdir(saved) == ["last.ckpt"]  # nothing half-written left beside it
     assert torch.load(saved / "last.ckpt", weights_only=True)["global_step"] == 3
     resumed, _ = fit(HSTUPipelineStrategy("default_d6"), max_steps=6, ckpt_path=saved / "last.ckpt")
     assert_same_weights(resumed, uninterrupted)
+
+
+def test_a_checkpoint_file_failing_on_rank_0_is_an_error_on_every_rank_not_a_hang(tmp_path):
+    """A checkpoint without sharded tables is written by rank 0 alone: its failure (a full disk) is an error
+    on both ranks, not rank 1 waiting at Lightning's barrier after the save until the process group's timeout;
+    the earlier checkpoints stay whole and nothing half-written is left."""
+    out = tmp_path / "run"
+    out.mkdir()
+    result = run_ranks_script(SCRIPTS / "save_fails_two_ranks.py", out, out, timeout=300)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank}: could not save checkpoint" in result.stderr, result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["step=2.ckpt"]
+    assert torch.load(out / "step=2.ckpt", weights_only=False)["global_step"] == 2
 
 
 # ----- a damaged checkpoint is named ------------------------------------------------------------------------

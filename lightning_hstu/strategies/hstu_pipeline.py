@@ -322,8 +322,7 @@ class HSTUPipelineStrategy(DDPStrategy):
             if not sharded_checkpoint.holds_sharded(checkpoint):
                 if not self._writes_local_files(filepath, storage_options):
                     return super().save_checkpoint(checkpoint, filepath, storage_options)
-                if self.is_global_zero:
-                    sharded_checkpoint.save_file(checkpoint, filepath)
+                sharded_checkpoint.save_file(checkpoint, filepath, self.is_global_zero, self.broadcast)
                 return None
             if storage_options is not None:
                 raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")

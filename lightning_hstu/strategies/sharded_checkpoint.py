@@ -125,26 +125,41 @@ def save(
         raise _save_error(path, reported) from failure
 
 
-def save_file(checkpoint: dict[str, Any], path: str | Path) -> None:
+def save_file(
+    checkpoint: dict[str, Any], path: str | Path, is_global_zero: bool, from_rank_zero: Callable[[Any], Any]
+) -> None:
     """A checkpoint without sharded tensors, as one file written by rank 0: into a hidden sibling, then renamed
     into place, so that a save that fails or is killed leaves whatever was under ``path`` whole. (Lightning's
     own save writes a temporary file in the system's temporary folder and moves it over ``path``: where that
     folder is on another file system than the checkpoints, the move copies into ``path`` itself, and a kill
-    during the copy leaves the checkpoint cut short, the previous one gone.)"""
+    during the copy leaves the checkpoint cut short, the previous one gone.) Every rank calls it: rank 0's
+    failure is an error on every rank (``from_rank_zero``, as ``save``'s), not a wait of the others at the
+    barrier after it until the process group's timeout."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    failure = _write_file(checkpoint, path) if is_global_zero else None
+    reported = from_rank_zero(None if failure is None else _describe(failure))
+    if reported is not None:
+        raise _save_error(path, reported) from failure
+
+
+def _write_file(checkpoint: dict[str, Any], path: Path) -> Exception | None:
     staging = path.parent / f".{path.name}.{new_save_id()}.saving"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(staging, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(staging, path)
+    except Exception as error:
+        _remove(staging)
+        return error
     except BaseException:
         _remove(staging)
         raise
     for leftover in path.parent.glob(f".{path.name}.*.saving*"):  # of saves killed before they could clean up
         _remove(leftover)
+    return None
 
 
 def _finish_on_rank_zero(
