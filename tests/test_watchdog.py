@@ -4,6 +4,7 @@ once the caller returns; writing a checkpoint is not timed; the report lists eve
 collective tasks that have not returned. Two processes: test_watchdog_ranks.py."""
 
 import datetime
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from lightning_runs import fit
 from tracing import TracingWorkload
 
 from lightning_hstu import Engine, HSTUPipelineStrategy, StepTimeout, get_plan
-from lightning_hstu.engine import CallerTimeout
+from lightning_hstu.engine import CallerTimeout, PeerFailure, TimeoutActions
 
 STALL_S = 1.5  # how long a stalled hook blocks; far above the timeout below, far below a hang
 TIMEOUT_S = 0.5
@@ -60,6 +61,43 @@ def test_a_hung_collective_task_is_listed_among_the_collectives_in_flight():
         "'global_tokens_allreduce') launches collectives and has not returned"
     ]
     assert "collectives this process issued that have not completed:" in str(info.value)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_another_ranks_failure_ends_a_waiting_step_with_that_ranks_error_before_the_timeout():
+    """``TimeoutActions.peer_failure`` (the strategy reads the process group's store): a step that waits for a
+    rank that failed ends with ``PeerFailure`` naming that rank's error once it is noted, not at the step
+    timeout; before anything is noted the steps run as usual."""
+    plan = get_plan("default_d3")
+    bodies = TracingWorkload(plan).bodies()
+    release = threading.Event()
+    noted: list[str] = []
+
+    def forward(batch, normal=bodies["forward"]):
+        if batch.index == 3:  # waits in a collective for the failed rank, which never comes
+            noted.append("rank 1 failed: TaskError: task 'forward' failed on batch 3: ValueError: bad batch")
+            release.wait(60)
+        return normal(batch)
+
+    bodies["forward"] = forward
+
+    def peer_failure():
+        if not noted:
+            return None
+        threading.Timer(0.5, release.set).start()  # the collective fails once this rank gives up (an abort)
+        return noted[0]
+
+    engine = Engine(plan, bodies, step_timeout=600, on_timeout=TimeoutActions(peer_failure=peer_failure)).start()
+    try:
+        with pytest.raises(PeerFailure) as info:  # the 600 s timeout would raise a StepTimeout of its own
+            engine.run(range(6))
+    finally:
+        release.set()
+        engine.close()
+    message = str(info.value)
+    assert message.startswith("step 3 cannot finish: rank 1 failed: TaskError: task 'forward' failed on batch 3")
+    assert "thread 'compute': running task 'forward' on batch 3" in message  # this rank's own threads
+    assert info.value.failure == noted[0] and isinstance(info.value, StepTimeout)
 
 
 class SlowCheckpointIO(TorchCheckpointIO):

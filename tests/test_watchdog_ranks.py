@@ -132,7 +132,10 @@ def test_a_loader_that_never_returns_is_reported_by_its_own_rank_and_the_other(t
     assert "in __iter__" in stuck and "threading.Event().wait()" in stuck  # where the loader hangs
     assert "collectives this rank issued that have not completed: none" in stuck
     assert f"rank 1: ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})" in stuck
-    assert "LoaderTimeout: rank 0: the data loader" in waiting
+    # rank 0's own loader timeout, or rank 1's, noted in the store and read by rank 0's watchdog first
+    assert "LoaderTimeout: rank 0: the data loader" in waiting or (
+        "cannot finish: rank 1 failed: LoaderTimeout: rank 1: the data loader" in waiting
+    ), waiting[-3000:]
     assert "(hstu_loader_agreement)" in waiting
 
 
@@ -150,3 +153,22 @@ def test_a_caller_stuck_in_a_collective_is_reported_by_the_watchdog_which_ends_t
     assert "by thread 'MainThread'" in report
     assert "rank 0: the caller's thread is the one that hangs: nothing can be raised there" in report
     assert "local rank 1 (pid" in report and "killed" in report
+
+
+def test_a_rank_that_fails_ends_the_others_steps_with_its_error_not_the_timeout(tmp_path):
+    """Rank 1's training_step raises and its process stays (on NCCL the others do not see a rank end): rank 0's
+    step waited in the gradients' all-reduce until the step timeout (60 s here, 600 by default), then reported
+    a hang. Now rank 1 leaves its failure in the process group's store and rank 0's watchdog ends the step with
+    it, naming rank 1's error, well before the timeout."""
+    from ranks import run_script
+
+    script = SCRIPT.parent / "peer_failure_two_ranks.py"
+    result = run_script(script, tmp_path, tmp_path, timeout=55)  # under the step timeout: the timeout never fires
+    assert result.returncode != 0
+    stderr = result.stderr
+    assert "rank 1: TaskError: task 'forward' failed on batch 3" in stderr, stderr[-3000:]
+    assert "ValueError: injected failure on rank 1 at batch 3" in stderr
+    assert "rank 0: step 3 cannot finish: rank 1 failed: TaskError: task 'forward' failed on batch 3" in stderr, stderr[
+        -3000:
+    ]
+    assert "did not finish within" not in stderr  # not the timeout's report

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from ..plan import LEGACY_THREAD, Plan, PlanError, PlanTask, Stream
-from .errors import CallerTimeout, EngineError, LoaderTimeout, StepTimeout, TaskError
+from .errors import CallerTimeout, EngineError, LoaderTimeout, PeerFailure, StepTimeout, TaskError
 from .records import StepResult, TaskRecord
 from .ring import SKIPPED, BatchView, Ring, RingEntry
 from .schedule import Body, ScheduledTask, schedule
@@ -719,7 +719,7 @@ class Engine:
 
     # ----- the timeout report (built on the watchdog's thread while the others hang) --------------------
 
-    def _timeout_report(self, watch: Watch) -> StepTimeout:
+    def _timeout_report(self, watch: Watch, failure: str | None = None) -> StepTimeout:
         step = self._current[1]
         activity = self._describe_activity(step)
         if self._loader is not None:
@@ -734,6 +734,8 @@ class Engine:
             caller += "\n" + _stack_of(watch.thread)
         activity["caller"] = caller
         details = dict(rank=self._on_timeout.rank, collectives=self._collectives_in_flight())
+        if failure is not None:
+            return PeerFailure(watch.step, self.step_timeout, failure, activity, **details)
         if watch.kind == WatchKind.LOADER:
             return LoaderTimeout(watch.step, watch.batch, self.step_timeout, watch.source, activity, **details)
         if watch.kind == WatchKind.CALLER:

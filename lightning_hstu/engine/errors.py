@@ -76,5 +76,17 @@ class CallerTimeout(StepTimeout):
         )
 
 
+class PeerFailure(StepTimeout):
+    """Another rank of the job failed, so this rank's step cannot finish (its collectives wait for that rank).
+    ``failure`` is the other rank's own account (its rank and error), read from the process group's store;
+    ``activity`` and ``collectives`` are this rank's, as a timeout's."""
+
+    def __init__(self, step: int, timeout: float, failure: str, activity: dict[str, str], **details):
+        self.failure = failure
+        super().__init__(
+            step, timeout, activity, f"step {step} cannot finish: {failure}; what each thread was doing:", **details
+        )
+
+
 class SlotError(EngineError):
     """A task body read or wrote a slot it did not declare, or read one before it was written."""

@@ -10,6 +10,11 @@ threads are still where they hang, and then:
 - if the caller is waiting with a poll (the pull, the step barrier), the caller raises the report;
 - if the caller is itself the thread that is stuck, nobody else can: the watchdog prints the report.
 
+In a distributed job the watchdog also ends a step that cannot finish because another rank failed
+(``TimeoutActions.peer_failure``, read about once a second while a watch is open): the same report and
+actions as a timeout, at once, naming the other rank's error (``PeerFailure``), where the step would
+otherwise wait in a collective for the failed rank until the timeout.
+
 A process that must not outlive its timeout (a rank of a distributed job) gets ``TimeoutActions`` with
 ``end_process``: its process groups are aborted once the report is out, and it ends with exit code
 ``WATCHDOG_EXIT_CODE``, at once when the caller is stuck, else when it exits or at the latest ``grace``
@@ -28,13 +33,16 @@ from enum import StrEnum
 from time import monotonic, sleep
 from typing import Any, NamedTuple
 
-from .errors import StepTimeout
+from .errors import PeerFailure, StepTimeout
 
 POLL_S = 0.25
 """How often the watchdog checks its deadlines, and a waiting caller checks for a timeout or a KeyboardInterrupt."""
 
 WATCHDOG_EXIT_CODE = 124
 """The exit status of a process the watchdog ended (as ``timeout(1)`` exits when its command timed out)."""
+
+PEER_CHECK_S = 1.0
+"""How often, while a watch is open, the watchdog asks whether another rank failed (``peer_failure``)."""
 
 _ABORT_WAIT_S = 2.0
 """How long the watchdog waits for the process groups' abort, or for the collectives' report, before it
@@ -90,6 +98,10 @@ class TimeoutActions:
     """Run once before the process ends after a timeout (the launching rank ends the ranks it started)."""
     grace: float = 3.0
     """Seconds the caller has, after the timeout, to raise the report and let the process exit by itself."""
+    peer_failure: Callable[[], str | None] | None = None
+    """Another rank's failure, in its own words, once one was reported (None: none yet). Asked every
+    ``PEER_CHECK_S`` while a watch is open, and at most ``_ABORT_WAIT_S`` waited for; a failure found ends
+    the open watches as a timeout does (``PeerFailure``). None: nothing to ask (a single process)."""
 
 
 @dataclass
@@ -100,10 +112,11 @@ class _Expiry:
 
 
 class Watchdog:
-    """Deadlines for the caller's watches, and what happens when one passes. ``report(watch)`` builds the
-    ``StepTimeout`` for an expired watch (it runs on the watchdog thread, while the others still hang)."""
+    """Deadlines for the caller's watches, and what happens when one passes. ``report(watch, failure)`` builds
+    the ``StepTimeout`` for an expired watch, or the ``PeerFailure`` where another rank's ``failure`` ended it
+    (it runs on the watchdog thread, while the others still hang)."""
 
-    def __init__(self, timeout: float, report: Callable[[Watch], StepTimeout], actions: TimeoutActions):
+    def __init__(self, timeout: float, report: Callable[[Watch, str | None], StepTimeout], actions: TimeoutActions):
         self.timeout = timeout
         self.actions = actions
         self._report = report
@@ -114,6 +127,7 @@ class Watchdog:
         self._expiry: _Expiry | None = None
         self._exit_lock = threading.Lock()
         self._aborted = self._ending = False
+        self._asking_peers = actions.peer_failure is not None
         self.thread = threading.Thread(target=self._run, name="hstu-watchdog", daemon=True)
 
     @property
@@ -176,24 +190,55 @@ class Watchdog:
     # ----- the watchdog thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        next_check = monotonic() + PEER_CHECK_S
         while not self._stopping.wait(POLL_S):
             now = monotonic()
             with self._lock:
-                due = [w for w in self._watches.values() if w.deadline <= now]
+                watches = list(self._watches.values())
+            due = [w for w in watches if w.deadline <= now]
             if due:
                 self._expire(min(due, key=lambda w: w.deadline))
                 return
+            if watches and self._asking_peers and now >= next_check:
+                failure = self._ask_peers()
+                next_check = monotonic() + PEER_CHECK_S
+                with self._lock:
+                    watches = list(self._watches.values())
+                if failure and watches:
+                    self._expire(min(watches, key=lambda w: w.deadline), failure)
+                    return
 
-    def _expire(self, watch: Watch) -> None:
+    def _ask_peers(self) -> str | None:
+        """``peer_failure()``, waited for at most ``_ABORT_WAIT_S``. One that raises or does not answer in time
+        (the store's host ended, after a failure or a finished run alike, or hangs) is not asked again, and
+        says nothing: the step timeout still bounds the step."""
+        answer: list = []
+
+        def ask() -> None:
+            try:
+                answer.append(self.actions.peer_failure())
+            except Exception:
+                pass
+
+        asking = threading.Thread(target=ask, name="hstu-watchdog-peers", daemon=True)
+        asking.start()
+        asking.join(_ABORT_WAIT_S)
+        if not answer:
+            self._asking_peers = False
+            return None
+        return answer[0]
+
+    def _expire(self, watch: Watch, failure: str | None = None) -> None:
         expired_at = monotonic()
         try:
-            error = self._report(watch)
+            error = self._report(watch, failure)
         except BaseException as exc:  # a report that fails must not keep the process from ending
-            error = StepTimeout(
-                watch.step,
-                self.timeout,
-                {"caller": watch.what},
-                f"step {watch.step}: the watchdog could not build its report ({exc!r})",
+            headline = f"step {watch.step}: the watchdog could not build its report ({exc!r})"
+            activity = {"caller": watch.what}
+            error = (
+                StepTimeout(watch.step, self.timeout, activity, headline)
+                if failure is None
+                else PeerFailure(watch.step, self.timeout, f"{failure} ({headline})", activity)
             )
         expiry = self._expiry = _Expiry(error, watch)
         actions = self.actions
@@ -210,7 +255,7 @@ class Watchdog:
             if not self._ending:
                 if watch.thread.is_alive():  # the raised report has not reached the top: say it here
                     _print(f"{type(error).__name__}: {error}")
-                _print(f"{self._rank}the process did not end within {actions.grace:g} s of its step timeout")
+                _print(f"{self._rank}the process did not end within {actions.grace:g} s of {self._cause}")
         else:
             _print(f"{type(error).__name__}: {error}")
             self._abort()
@@ -218,6 +263,11 @@ class Watchdog:
                 return
             _print(f"{self._rank}the caller's thread is the one that hangs: nothing can be raised there")
         self._end_process()
+
+    @property
+    def _cause(self) -> str:
+        peer = self._expiry is not None and isinstance(self._expiry.error, PeerFailure)
+        return "another rank's failure" if peer else "its step timeout"
 
     @property
     def _rank(self) -> str:
@@ -240,7 +290,7 @@ class Watchdog:
                     self.actions.before_exit()
                 except BaseException as exc:
                     _print(f"ending the process: {exc!r}")
-            _print(f"{self._rank}ending the process after its step timeout (exit code {WATCHDOG_EXIT_CODE})")
+            _print(f"{self._rank}ending the process after {self._cause} (exit code {WATCHDOG_EXIT_CODE})")
             sys.stdout.flush()
             os._exit(WATCHDOG_EXIT_CODE)
 

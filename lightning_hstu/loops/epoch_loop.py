@@ -105,7 +105,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
                         self.on_iteration_done()
                     if self.done:
                         break
-        except BaseException:
+        except BaseException as error:
+            # before Lightning's on_exception hooks, which may themselves wait for the other ranks (a checkpoint)
+            self._strategy.note_failure(error)
             # steps() has joined the engine's threads: a batch whose optimizer step they applied before the
             # exception (a Ctrl-C while the step ran on another thread, a failure later in the same step) is
             # trained, and a checkpoint saved on the exception must count it so

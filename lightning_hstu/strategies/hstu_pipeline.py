@@ -4,6 +4,8 @@ import contextlib
 import difflib
 import inspect
 import pickle
+import time
+import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -15,11 +17,12 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from typing_extensions import override
 
-from ..engine import TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
+from ..engine import PeerFailure, TaskObserver, TaskRecord, TimeoutActions, check_step_timeout
 from ..engine.affinity import ThreadPin, check_pin_threads, core_for
+from ..engine.watchdog import call_bounded
 from ..hstu.presets import DEFAULT_PRESET, PRESET_NAMES, resolve_plan
 from ..hstu.sparse import TABLES_AHEAD
 from ..hstu.tasks import GRAPH_TASKS
@@ -33,6 +36,10 @@ def unknown_strategy_error(name: str) -> PlanError:
     return PlanError(
         f"unknown strategy {name!r}; the HSTU strategies are: {', '.join('hstu_' + preset for preset in PRESET_NAMES)}"
     )
+
+
+NOTED_FAILURE_CHARS = 4000
+"""At most this much of a failure's message is left for the other ranks (a TaskError quotes its cause)."""
 
 
 class _NamesWithHSTUPrefix(list):
@@ -149,6 +156,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._data_group: Any = None
         self._loader_group: Any = None
         self._failed = False  # the stage ended by an exception: its groups are left as they are
+        self._failure_key: str | None = None
+        """Where this stage's first failing rank leaves its failure for the others (several ranks only)."""
         self.thread_pin: ThreadPin | None = None
         """While fitting with ``pin_threads``: what places the threads (the engine's epoch loop pins them)."""
         self.sigterm: sigterm.SigtermNotice | None = None
@@ -270,6 +279,10 @@ class HSTUPipelineStrategy(DDPStrategy):
             self._loader_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.LOADER_GROUP
             )
+            # one key per stage, rank 0's (the store outlives the stage: a key of an earlier one must not be read)
+            key = [f"lightning_hstu/failure/{uuid.uuid4().hex}"]
+            dist.broadcast_object_list(key, src=0, group=self._data_group)
+            self._failure_key = key[0]
 
     def timeout_actions(self) -> TimeoutActions:
         """What the engine's watchdog does on a timeout besides the report. On several processes: name the
@@ -286,7 +299,31 @@ class HSTUPipelineStrategy(DDPStrategy):
             end_process=True,
             grace=grace,
             before_exit=lambda: process_groups.end_launched_ranks(launched, grace),
+            peer_failure=self._peer_failure,
         )
+
+    def _peer_failure(self) -> str | None:
+        key = self._failure_key
+        return None if key is None else process_groups.noted_failure(key, self.global_rank)
+
+    def note_failure(self, error: BaseException) -> None:
+        """Tell the other ranks that this rank's stage failed with ``error``: their watchdogs end the steps that
+        wait in a collective for this rank (``PeerFailure``, within about a second) instead of letting them
+        wait until the step timeout. Once per stage, on several ranks, with a step timeout; not for a stop
+        that every rank makes together (SIGTERM), an interrupt, or another rank's failure."""
+        key, self._failure_key = self._failure_key, None
+        if key is None or self.step_timeout is None or not isinstance(error, Exception):
+            return
+        if isinstance(error, (PeerFailure, SIGTERMException)):
+            return
+        text = f"rank {self.global_rank} failed: {type(error).__name__}: {error}"
+        if len(text) > NOTED_FAILURE_CHARS:
+            text = text[:NOTED_FAILURE_CHARS] + " ..."
+        noted = call_bounded(
+            lambda: process_groups.note_failure(key, self.global_rank, text), "telling the other ranks of the failure"
+        )
+        if noted:
+            time.sleep(process_groups.FAILURE_LINGER_S)
 
     def all_ranks(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank's loss
@@ -429,6 +466,7 @@ class HSTUPipelineStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self.note_failure(exception)  # where the epoch loop has not already
         self._failed = True
         self.release_threads()
         if self._epoch_loop is not None:  # join the engine's threads before Lightning tears down

@@ -1,5 +1,6 @@
 """The process groups of a rank under a step timeout: their own timeout, the collectives in flight (torch's
-flight recorder), their abort, and the ranks this process launched.
+flight recorder), their abort, the ranks this process launched, and the note a failing rank leaves for the
+others in the default group's store.
 
 The rule for the process groups' timeout: ``2 * step_timeout + 60 s`` unless the strategy is given
 ``timeout=`` itself. The step watchdog fires first for any hang inside a step: a collective is issued at
@@ -133,7 +134,7 @@ def end_launched_ranks(processes: Sequence[subprocess.Popen], wait: float) -> No
             process.kill()
             print(
                 f"local rank {local_rank} (pid {process.pid}) was still running {wait:g} s after this rank's "
-                f"step timeout: killed",
+                f"watchdog ended its step: killed",
                 file=sys.stderr,
                 flush=True,
             )
@@ -141,3 +142,29 @@ def end_launched_ranks(processes: Sequence[subprocess.Popen], wait: float) -> No
             print(
                 f"local rank {local_rank} (pid {process.pid}) ended with exit code {code}", file=sys.stderr, flush=True
             )
+
+
+FAILURE_LINGER_S = 2.0
+"""How long a rank that noted its failure stays before it goes on to end: the others ask once a second
+(``watchdog.PEER_CHECK_S``), and rank 0's process holds the store they read it from."""
+
+
+def note_failure(key: str, rank: int, text: str) -> bool:
+    """Leave ``text`` (this rank's failure) under ``key`` in the default group's store for the other ranks,
+    unless a rank left one there first. Whether it was left."""
+    store = dist.distributed_c10d._get_default_store()
+    if store.check([key]):
+        return False
+    store.set(key, f"{rank}\n{text}")
+    return True
+
+
+def noted_failure(key: str, rank: int) -> str | None:
+    """Another rank's failure under ``key`` in the default group's store (None: none noted). Raises where the
+    store cannot be reached (its host, rank 0's process, may have ended, after a failure or a finished run
+    alike: not a failure to report by itself)."""
+    store = dist.distributed_c10d._get_default_store()
+    if not store.check([key]):
+        return None
+    by, _, text = store.get(key).decode(errors="replace").partition("\n")
+    return None if by == str(rank) else text

@@ -1,0 +1,55 @@
+"""Fits the toy recommender on two processes under ``HSTUPipelineStrategy("legacy_none", step_timeout=60)``,
+where rank 1's ``training_step`` raises at batch 3 and rank 1's process then stays (as a rank on NCCL whose
+peers do not see it end); run by test_watchdog_ranks.py (two CPU processes, gloo).
+
+    python peer_failure_two_ranks.py OUT_DIR
+
+Rank 0's step waits in the gradients' all-reduce for rank 1, which never comes: the rank that ends it first
+says why. Each rank prints ``rank R: <the error's type>: <the error>`` on stderr when its fit raises; rank 0
+then ends the rank it launched, and both exit with status 1 (rank 0 may also be ended by its watchdog).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.data.toy import ToyDataModule
+from lightning_hstu.models.toy import ToyRecommender
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from lightning_runs import QUIET  # noqa: E402
+
+
+class FailsOnRank1(ToyRecommender):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 3:
+            raise ValueError("injected failure on rank 1 at batch 3")
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        strategy=HSTUPipelineStrategy("legacy_none", step_timeout=60),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_val_batches=0,
+        **QUIET,
+    )
+    try:
+        trainer.fit(FailsOnRank1(), ToyDataModule(num_samples=128))
+    except Exception as error:
+        print(f"rank {trainer.global_rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        if trainer.global_rank == 1:
+            time.sleep(40)  # a rank whose end its peers do not notice (NCCL): they must not wait for it
+        for launched in getattr(trainer.strategy.launcher, "procs", None) or []:
+            launched.kill()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
