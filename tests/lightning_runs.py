@@ -69,6 +69,7 @@ def fit(
     data_cls=ToyDataModule,
     data_kwargs=None,
     ckpt_path=None,
+    weights_only=None,
     **trainer_kwargs,
 ):
     """Train a fresh model, made after seeding, on ``data_cls(**data_kwargs)`` (the toy data: 12 batches an
@@ -85,7 +86,7 @@ def fit(
         **trainer_kwargs,
     }
     trainer = pl.Trainer(strategy=strategy, **options)
-    trainer.fit(model, data_cls(**(data_kwargs or {})), ckpt_path=ckpt_path)
+    trainer.fit(model, data_cls(**(data_kwargs or {})), ckpt_path=ckpt_path, weights_only=weights_only)
     return model, trainer
 
 

@@ -452,17 +452,27 @@ def overwrite_middle(file: Path) -> None:
     [
         (None, cut_short),  # a plain .ckpt file (a module without sharded tables)
         (None, lambda file: file.write_bytes(b"")),
+        (None, lambda file: file.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")),
         ("lightning.pt", cut_short),
         (".metadata", cut_short),
         (".metadata", overwrite_middle),
     ],
-    ids=["ckpt cut short", "ckpt empty", "lightning.pt cut short", ".metadata cut short", ".metadata overwritten"],
+    ids=[
+        "ckpt cut short",
+        "ckpt empty",
+        "ckpt a git-lfs pointer",
+        "lightning.pt cut short",
+        ".metadata cut short",
+        ".metadata overwritten",
+    ],
 )
 def test_a_damaged_checkpoint_file_is_refused_naming_it(uninterrupted, tmp_path, entry, damage):
     """A checkpoint cut short by a copy or a disk that filled up: the fit failed with torch's and pickle's
     errors, which name no file and do not say it is the checkpoint (``OSError: [Errno 22] Invalid argument``
     for a .ckpt cut short, a bare ``EOFError`` for an empty one, ``UnpicklingError: pickle data was
-    truncated`` or ``UnicodeDecodeError`` for DCP's index)."""
+    truncated`` or ``UnicodeDecodeError`` for DCP's index). A .ckpt that is no checkpoint at all (a git-lfs
+    pointer) raised torch's weights_only refusal, which says that ``weights_only=False`` "will likely
+    succeed" (it runs the file as code, and fails with ``invalid load key``)."""
     if entry is None:
         from lightning_runs import fit
 
@@ -470,8 +480,9 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it(uninterrupted, tmp_path,
         fit(HSTUPipelineStrategy("default_d6"), max_steps=3, enable_checkpointing=True, callbacks=[saver])
         checkpoint = damaged = tmp_path / "step=3.ckpt"
         damage(damaged)
-        with pytest.raises(CheckpointError, match=rf"checkpoint file {checkpoint} could not be read .*damaged"):
-            fit(HSTUPipelineStrategy("default_d6"), ckpt_path=checkpoint)
+        for weights_only in (None, False):
+            with pytest.raises(CheckpointError, match=rf"checkpoint file {checkpoint} could not be read .*damaged"):
+                fit(HSTUPipelineStrategy("default_d6"), ckpt_path=checkpoint, weights_only=weights_only)
         return
     out, _ = uninterrupted
     checkpoint = tmp_path / "copied.ckpt"
@@ -479,3 +490,27 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it(uninterrupted, tmp_path,
     damage(checkpoint / entry)
     with pytest.raises(CheckpointError, match=rf"checkpoint file {checkpoint / entry} could not be read .*damaged"):
         fit_hstu(6, ckpt_path=checkpoint)
+
+
+# ----- where a checkpoint file is written -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelled", ["~/saved/step.ckpt", "file://{home}/saved/step.ckpt"], ids=["~", "file://"])
+def test_a_checkpoint_file_is_written_where_lightning_reads_it(tmp_path, monkeypatch, spelled):
+    """A path as Lightning's checkpoint I/O takes it (fsspec: ``~`` is the home directory, ``file://`` a local
+    URL): the file is written there, and the same path resumes from it. The strategy's own atomic write took
+    the path literally: ``~/saved/step.ckpt`` went to a folder named ``~`` in the working directory, and a fit
+    with ``ckpt_path="~/saved/step.ckpt"`` read the home directory's (missing, or an older one)."""
+    from lightning_runs import fit
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    path = spelled.format(home=home)
+    _, trainer = fit(HSTUPipelineStrategy("default_d6"), max_steps=3, default_root_dir=tmp_path)
+    trainer.save_checkpoint(path)
+    assert os.listdir(work) == []
+    assert torch.load(home / "saved" / "step.ckpt", weights_only=True)["global_step"] == 3
+    resumed, _ = fit(HSTUPipelineStrategy("default_d6"), max_steps=4, ckpt_path=path, default_root_dir=tmp_path)
+    assert resumed.trainer.global_step == 4

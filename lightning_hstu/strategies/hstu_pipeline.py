@@ -3,9 +3,11 @@
 import contextlib
 import difflib
 import inspect
+import os
 import pickle
 import time
 import uuid
+import zipfile
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -359,7 +361,9 @@ class HSTUPipelineStrategy(DDPStrategy):
             if not sharded_checkpoint.holds_sharded(checkpoint):
                 if not self._writes_local_files(filepath, storage_options):
                     return super().save_checkpoint(checkpoint, filepath, storage_options)
-                sharded_checkpoint.save_file(checkpoint, filepath, self.is_global_zero, self.broadcast)
+                # the file fsspec names, as Lightning's I/O writes and reads it (``~`` expanded, ``file://`` removed)
+                local = fsspec.core.url_to_fs(str(filepath))[1]
+                sharded_checkpoint.save_file(checkpoint, local, self.is_global_zero, self.broadcast)
                 return None
             if storage_options is not None:
                 raise TypeError(f"storage_options are not supported for sharded checkpoints (got {storage_options!r})")
@@ -391,8 +395,15 @@ class HSTUPipelineStrategy(DDPStrategy):
             sharded_checkpoint.check_not_partial(checkpoint_path)
             try:
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            except (FileNotFoundError, IsADirectoryError, PermissionError, pickle.UnpicklingError):
-                raise  # Lightning's and torch's messages name the file, or say what weights_only refused
+            except pickle.UnpicklingError as error:
+                if not _is_local_non_zip(checkpoint_path):
+                    raise  # what weights_only refused in a checkpoint torch.save wrote (a zip archive)
+                # not torch.save's archive at all (overwritten, a git-lfs pointer): torch's refusal would advise
+                # weights_only=False, which runs the file as code and fails too
+                reason = "not the zip archive that torch.save writes"
+                raise sharded_checkpoint.unreadable(checkpoint_path, error, reason) from error
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                raise  # Lightning's and torch's messages name the file
             except (OSError, EOFError, RuntimeError) as error:  # a file cut short or damaged
                 raise sharded_checkpoint.unreadable(checkpoint_path, error) from error
         trainer = self.lightning_module.trainer
@@ -576,6 +587,12 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
 
 
 _NOT_OPTIONS = ("self", "ddp_kwargs", "kwargs")
+
+
+def _is_local_non_zip(path: Any) -> bool:
+    """Whether ``path`` is a local file that is not a zip archive (torch.save writes one)."""
+    local = fsspec.core.url_to_fs(str(path))[1] if fsspec.utils.get_protocol(str(path)) == "file" else None
+    return local is not None and os.path.isfile(local) and not zipfile.is_zipfile(local)
 
 
 def _all_ranks_on(group: Any, flag: bool) -> bool:

@@ -81,12 +81,13 @@ def check_not_partial(path: str | Path) -> None:
         )
 
 
-def unreadable(file: str | Path, error: BaseException) -> CheckpointError:
+def unreadable(file: str | Path, error: BaseException, reason: str | None = None) -> CheckpointError:
     """A checkpoint file that its reader could not parse, named: torch's and pickle's own errors name no file
-    (a ``.ckpt`` cut short raises ``OSError: [Errno 22] Invalid argument``, an empty one a bare ``EOFError``)."""
+    (a ``.ckpt`` cut short raises ``OSError: [Errno 22] Invalid argument``, an empty one a bare ``EOFError``).
+    ``reason`` says what is wrong in place of ``error`` where the reader's own words mislead."""
     return CheckpointError(
-        f"checkpoint file {file} could not be read ({_describe(error)}): it is truncated or damaged (a save or "
-        f"copy that did not finish, a disk error) or not a checkpoint. Load another checkpoint"
+        f"checkpoint file {file} could not be read ({reason or _describe(error)}): it is truncated or damaged (a "
+        f"save or copy that did not finish, a disk error) or not a checkpoint. Load another checkpoint"
     )
 
 
