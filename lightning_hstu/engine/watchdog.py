@@ -261,7 +261,8 @@ class Watchdog:
             self._abort()
             if not actions.end_process:
                 return
-            _print(f"{self._rank}the caller's thread is the one that hangs: nothing can be raised there")
+            where = "is in its own work around the step" if isinstance(error, PeerFailure) else "is the one that hangs"
+            _print(f"{self._rank}the caller's thread {where}: nothing can be raised there")
         self._end_process()
 
     @property

@@ -5,7 +5,6 @@ import difflib
 import inspect
 import os
 import pickle
-import time
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -273,6 +272,7 @@ class HSTUPipelineStrategy(DDPStrategy):
             process_groups.enable_flight_recorder()  # before the first process group exists
         super().setup_environment()
         self._failed = False
+        self._failure_key = None
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # for all_ranks() and any_rank(), and for all_ranks_have_batch()
             self._data_group = dist.new_group(
@@ -281,10 +281,11 @@ class HSTUPipelineStrategy(DDPStrategy):
             self._loader_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.LOADER_GROUP
             )
-            # one key per stage, rank 0's (the store outlives the stage: a key of an earlier one must not be read)
-            key = [f"lightning_hstu/failure/{uuid.uuid4().hex}"]
-            dist.broadcast_object_list(key, src=0, group=self._data_group)
-            self._failure_key = key[0]
+            if self.use_engine and self.step_timeout is not None:  # the engine's watchdog reads it
+                # one key per stage, rank 0's (the store outlives the stage: an earlier stage's must not be read)
+                key = [f"lightning_hstu/failure/{uuid.uuid4().hex}"]
+                dist.broadcast_object_list(key, src=0, group=self._data_group)
+                self._failure_key = key[0]
 
     def timeout_actions(self) -> TimeoutActions:
         """What the engine's watchdog does on a timeout besides the report. On several processes: name the
@@ -324,8 +325,13 @@ class HSTUPipelineStrategy(DDPStrategy):
         noted = call_bounded(
             lambda: process_groups.note_failure(key, self.global_rank, text), "telling the other ranks of the failure"
         )
-        if noted:
-            time.sleep(process_groups.FAILURE_LINGER_S)
+        if noted:  # until the others read it (or failed too): the store may go with this process
+            wait = process_groups.FAILURE_LINGER_S
+            call_bounded(
+                lambda: process_groups.wait_until_read(key, self.world_size - 1, wait),
+                "waiting for the other ranks to read the failure",
+                wait + 0.5,
+            )
 
     def all_ranks(self, flag: bool) -> bool:
         """Whether ``flag`` is True on every rank (this rank's flag on a single process): "every rank's loss
@@ -491,6 +497,7 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._failure_key = None  # this stage's: a failure before the next stage's setup is noted nowhere
         self.release_threads()
         if self._epoch_loop is not None:
             self._epoch_loop.close_engine()

@@ -145,26 +145,40 @@ def end_launched_ranks(processes: Sequence[subprocess.Popen], wait: float) -> No
 
 
 FAILURE_LINGER_S = 2.0
-"""How long a rank that noted its failure stays before it goes on to end: the others ask once a second
-(``watchdog.PEER_CHECK_S``), and rank 0's process holds the store they read it from."""
+"""At most how long a rank that noted its failure waits for every other rank to have read it (or to have
+failed too) before it goes on to end: the others ask once a second (``watchdog.PEER_CHECK_S``), and the
+store they read it from may be held by this rank's process (rank 0's, under Lightning's launcher)."""
 
 
 def note_failure(key: str, rank: int, text: str) -> bool:
     """Leave ``text`` (this rank's failure) under ``key`` in the default group's store for the other ranks,
-    unless a rank left one there first. Whether it was left."""
+    unless a rank left one there first (then this rank counts as having read it). Whether it was left."""
     store = dist.distributed_c10d._get_default_store()
     if store.check([key]):
+        store.add(f"{key}/read", 1)
         return False
     store.set(key, f"{rank}\n{text}")
     return True
 
 
+def wait_until_read(key: str, others: int, seconds: float) -> None:
+    """Wait, at most ``seconds``, until ``others`` ranks have read the failure under ``key`` (or noted one of
+    their own)."""
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + seconds
+    while store.add(f"{key}/read", 0) < others and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def noted_failure(key: str, rank: int) -> str | None:
-    """Another rank's failure under ``key`` in the default group's store (None: none noted). Raises where the
-    store cannot be reached (its host, rank 0's process, may have ended, after a failure or a finished run
-    alike: not a failure to report by itself)."""
+    """Another rank's failure under ``key`` in the default group's store (None: none noted); reading it counts
+    this rank among those that read it. Raises where the store cannot be reached (its host, rank 0's process,
+    may have ended, after a failure or a finished run alike: not a failure to report by itself)."""
     store = dist.distributed_c10d._get_default_store()
     if not store.check([key]):
         return None
     by, _, text = store.get(key).decode(errors="replace").partition("\n")
-    return None if by == str(rank) else text
+    if by == str(rank):
+        return None
+    store.add(f"{key}/read", 1)
+    return text
