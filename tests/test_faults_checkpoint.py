@@ -434,6 +434,17 @@ def test_a_checkpoint_file_failing_on_rank_0_is_an_error_on_every_rank_not_a_han
     assert torch.load(out / "step=2.ckpt", weights_only=False)["global_step"] == 2
 
 
+def test_the_leftovers_of_a_killed_save_go_with_the_next_save_whatever_the_name(tmp_path):
+    """A killed save leaves a hidden ``.<name>.<id>.saving`` beside the checkpoint; the next save of that name
+    removes it, also where the name holds glob characters (``ModelCheckpoint(filename="{epoch}-[best]")``)."""
+    target = tmp_path / "epoch=0-[best].ckpt"
+    leftover = tmp_path / f".{target.name}.0123abcd.saving"
+    leftover.write_bytes(b"half a checkpoint")
+    sharded_checkpoint.save_file({"global_step": 1}, target, True, lambda reported: reported)
+    assert sorted(os.listdir(tmp_path)) == [target.name]
+    assert torch.load(target, weights_only=True) == {"global_step": 1}
+
+
 # ----- a damaged checkpoint is named ------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ as you would trust a program.
 import contextlib
 import ctypes
 import errno
+import glob
 import os
 import pathlib
 import pickle
@@ -158,7 +159,8 @@ def _write_file(checkpoint: dict[str, Any], path: Path) -> Exception | None:
     except BaseException:
         _remove(staging)
         raise
-    for leftover in path.parent.glob(f".{path.name}.*.saving*"):  # of saves killed before they could clean up
+    # the leftovers of saves killed before they could clean up
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.saving*"):
         _remove(leftover)
     return None
 
@@ -179,7 +181,8 @@ def _finish_on_rank_zero(
         if not isinstance(error, Exception):
             raise
         return error
-    for leftover in path.parent.glob(f".{path.name}.*.saving*"):  # of saves killed before they could clean up
+    # the leftovers of saves killed before they could clean up
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.saving*"):
         _remove(leftover)
     return None
 
