@@ -136,6 +136,18 @@ def test_the_watchdog_can_skip_the_step_instead():
 
 
 @pytest.mark.usefixtures("no_thread_left")
+def test_fit_summary_does_not_count_a_skipped_batch_as_trained(capsys):
+    """12 batches of 8, batch 3 skipped (its step not applied): 88 samples trained; it printed 96 before."""
+    from lightning_hstu.callbacks import FitSummary
+
+    summary = FitSummary()
+    model, _, _ = fit_hstu(SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[summary])
+    assert model.skipped_batches == [3]
+    assert summary.samples == 88
+    assert "trained 88 samples in 1 epochs" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("no_thread_left")
 def test_skip_at_the_last_batch_of_an_accumulation_window_still_applies_the_windows_finite_batches():
     """Under accumulate_grad_batches=4 batch 3 ends the first window: its non-finite loss adds an exact zero to
     the sum of batches 0-2, and the window's dense step applies those (as it does when the non-finite batch is
