@@ -200,9 +200,6 @@ class LengthBuckets(DistributedSampler):
         self.step = batch_size * num_replicas  # a global batch
         self.pool = self.step * pool_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def __len__(self) -> int:
         return len(self.lengths) // self.num_replicas
 

@@ -649,6 +649,15 @@ class HistoryItems:
         else:
             self.keys, self.first_position = self._sorted(target_ids, sample, position, real, batch, width)
 
+    @classmethod
+    def padded(cls, target_ids, real, width: int, table: bool | None = None) -> "HistoryItems":
+        """For the padded [B, L] layout: target (b, j) is event j of history b (``real`` where it exists), and
+        its query is at (b, j)."""
+        batch, length = real.shape
+        sample = torch.arange(batch, device=real.device)[:, None].expand(batch, length)
+        position = torch.arange(length, device=real.device)[None, :].expand(batch, length)
+        return cls(target_ids, sample, position, real, batch, width, table)
+
     @staticmethod
     def _sorted(target_ids, sample, position, real, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys sample * width + item, ascending (``batch * width`` past the real targets: above every
@@ -894,11 +903,7 @@ class HSTUObjectives(nn.Module):
         hidden = self.encode(events, user, times, mask)
         history = None
         if self.history_logit is not None:  # position j predicts event j, having read events 0 .. j - 1
-            batch, length = mask.shape
-            sample = torch.arange(batch, device=mask.device)[:, None].expand(batch, length)
-            position = torch.arange(length, device=mask.device)[None, :].expand(batch, length)
-            width = self._width(target_ids, negative_ids)
-            history = HistoryItems(target_ids, sample, position, mask, batch, width, self._table())
+            history = HistoryItems.padded(target_ids, mask, self._width(target_ids, negative_ids), self._table())
 
         def negative_scores(query):  # [B, L, negatives]
             if self.retrieval == "sampled":  # each sample's own negatives, for each of its positions

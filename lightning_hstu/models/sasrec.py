@@ -110,13 +110,11 @@ class SASRecRecommender(RankingEvaluation, pl.LightningModule):
         ids = Padding(batch.sequence_lengths(), len(batch.features["item"].values()))(batch.features["item"].values())
         logits = hidden[:, :-1][mask[:, 1:]] @ self.items.weight.T
         if self.history_logit is not None:  # position p has read the items at positions 0 .. p
-            rows, length = ids.shape
-            sample = torch.arange(rows, device=ids.device)[:, None].expand(rows, length)
-            position = torch.arange(length, device=ids.device)[None, :].expand(rows, length)
-            history = HistoryItems(ids, sample, position, mask, rows, logits.shape[-1], table=True)
+            history = HistoryItems.padded(ids, mask, logits.shape[-1], table=True)
             predicting = mask[:, 1:]
             columns = torch.arange(logits.shape[-1], device=ids.device)
-            held = history.holds(sample[:, :-1][predicting], position[:, :-1][predicting] + 1, columns)
+            sample, position = history.sample[:, :-1][predicting], history.position[:, :-1][predicting]
+            held = history.holds(sample, position + 1, columns)
             logits = logits + self.HISTORY_SCALE * self.history_logit * held
         logits[:, 0] = -torch.inf
         loss = F.cross_entropy(logits, ids[:, 1:][mask[:, 1:]])
