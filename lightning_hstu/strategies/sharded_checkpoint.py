@@ -111,7 +111,7 @@ def save(
     succeeded, so that a failure there is an error on every rank rather than a hang at the next barrier.
     Trainer.save_checkpoint waits for every rank after this."""
     path = Path(path)
-    staging = path.parent / f".{path.name}.{save_id}.saving"
+    staging = _staging(path, save_id)
     sharded = {key: value for key, value in checkpoint.items() if holds_sharded(value)}
     try:
         dcp.save({**sharded, SAVE_ID: _id_tensor(save_id)}, checkpoint_id=staging)
@@ -122,9 +122,7 @@ def save(
             raise
         raise _save_error(path, _describe(_first_failure(error))) from error
     failure = _finish_on_rank_zero(checkpoint, sharded, staging, path, save_id) if is_global_zero else None
-    reported = from_rank_zero(None if failure is None else _describe(failure))
-    if reported is not None:
-        raise _save_error(path, reported) from failure
+    _raise_rank_zero_failure(path, failure, from_rank_zero)
 
 
 def save_file(
@@ -139,13 +137,31 @@ def save_file(
     barrier after it until the process group's timeout."""
     path = Path(path)
     failure = _write_file(checkpoint, path) if is_global_zero else None
+    _raise_rank_zero_failure(path, failure, from_rank_zero)
+
+
+def _raise_rank_zero_failure(path: Path, failure: Exception | None, from_rank_zero: Callable[[Any], Any]) -> None:
+    """Rank 0's ``failure`` (None: it worked), raised on every rank as ``_save_error``."""
     reported = from_rank_zero(None if failure is None else _describe(failure))
     if reported is not None:
         raise _save_error(path, reported) from failure
 
 
+def _staging(path: Path, save_id: str) -> Path:
+    """Where a save of ``path`` is written before it is moved into place: a hidden sibling."""
+    return path.parent / f".{path.name}.{save_id}.saving"
+
+
+def _remove_leftovers(path: Path) -> None:
+    """The staging siblings of ``path`` that saves killed before they could clean up left behind."""
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.saving*"):
+        _remove(leftover)
+
+
 def _write_file(checkpoint: dict[str, Any], path: Path) -> Exception | None:
-    staging = path.parent / f".{path.name}.{new_save_id()}.saving"
+    """``checkpoint`` into a staging sibling, synced, then renamed over ``path``. Returns the failure (None if
+    it worked); nothing under ``path`` changes unless everything did."""
+    staging = _staging(path, new_save_id())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(staging, "wb") as file:
@@ -153,15 +169,12 @@ def _write_file(checkpoint: dict[str, Any], path: Path) -> Exception | None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(staging, path)
-    except Exception as error:
+    except BaseException as error:
         _remove(staging)
+        if not isinstance(error, Exception):
+            raise
         return error
-    except BaseException:
-        _remove(staging)
-        raise
-    # the leftovers of saves killed before they could clean up
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.saving*"):
-        _remove(leftover)
+    _remove_leftovers(path)
     return None
 
 
@@ -181,9 +194,7 @@ def _finish_on_rank_zero(
         if not isinstance(error, Exception):
             raise
         return error
-    # the leftovers of saves killed before they could clean up
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.saving*"):
-        _remove(leftover)
+    _remove_leftovers(path)
     return None
 
 
