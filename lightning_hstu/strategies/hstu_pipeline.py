@@ -365,10 +365,9 @@ class HSTUPipelineStrategy(DDPStrategy):
         _record_mid_epoch_shares(getattr(self.lightning_module, "_trainer", None), checkpoint)
         with self._step_timeout_paused():  # writing a checkpoint may rightly take longer than a step
             if not sharded_checkpoint.holds_sharded(checkpoint):
-                if not self._writes_local_files(filepath, storage_options):
+                local = self._local_file(filepath, storage_options)
+                if local is None:
                     return super().save_checkpoint(checkpoint, filepath, storage_options)
-                # the file fsspec names, as Lightning's I/O writes and reads it (``~`` expanded, ``file://`` removed)
-                local = fsspec.core.url_to_fs(str(filepath))[1]
                 sharded_checkpoint.save_file(checkpoint, local, self.is_global_zero, self.broadcast)
                 return None
             if storage_options is not None:
@@ -377,15 +376,13 @@ class HSTUPipelineStrategy(DDPStrategy):
             save_id = self.broadcast(sharded_checkpoint.new_save_id())
             sharded_checkpoint.save(checkpoint, filepath, save_id, self.is_global_zero, self.broadcast)
 
-    def _writes_local_files(self, filepath: Any, storage_options: Any) -> bool:
-        """Whether a checkpoint without sharded tensors is one local file that Lightning's default checkpoint
-        I/O would write (``sharded_checkpoint.save_file`` writes it atomically instead); any other checkpoint
-        I/O, a remote path or ``storage_options`` are left to Lightning."""
-        return (
-            storage_options is None
-            and type(self.checkpoint_io) is TorchCheckpointIO
-            and fsspec.utils.get_protocol(str(filepath)) == "file"
-        )
+    def _local_file(self, filepath: Any, storage_options: Any) -> str | None:
+        """The local file that Lightning's default checkpoint I/O would write a checkpoint without sharded
+        tensors to (``sharded_checkpoint.save_file`` writes it atomically instead); None for any other
+        checkpoint I/O, a remote path or ``storage_options``, which are left to Lightning."""
+        if storage_options is not None or type(self.checkpoint_io) is not TorchCheckpointIO:
+            return None
+        return _local_path(filepath)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -596,9 +593,15 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
 _NOT_OPTIONS = ("self", "ddp_kwargs", "kwargs")
 
 
+def _local_path(path: Any) -> str | None:
+    """The file fsspec names by ``path``, as Lightning's checkpoint I/O writes and reads it (``~`` expanded,
+    ``file://`` removed); None where ``path`` is not local."""
+    return fsspec.core.url_to_fs(str(path))[1] if fsspec.utils.get_protocol(str(path)) == "file" else None
+
+
 def _is_local_non_zip(path: Any) -> bool:
     """Whether ``path`` is a local file that is not a zip archive (torch.save writes one)."""
-    local = fsspec.core.url_to_fs(str(path))[1] if fsspec.utils.get_protocol(str(path)) == "file" else None
+    local = _local_path(path)
     return local is not None and os.path.isfile(local) and not zipfile.is_zipfile(local)
 
 
