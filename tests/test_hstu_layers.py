@@ -273,8 +273,8 @@ def test_the_history_logit_is_added_to_the_items_a_position_has_read(retrieval):
     that an earlier event of its history holds, the target included when the history holds it already; the
     item ids are few (12), so histories repeat items."""
     objectives, inputs, _ = padded_losses(retrieval, history_logit=True)
-    logit = objectives.history_logit.item()
-    assert logit != 0
+    logit = objectives.history_logit
+    assert logit.item() != 0
 
     def held(b, position, ids):
         return torch.isin(ids, inputs.target_ids[b, :position]).float() * logit / objectives.temperature
@@ -297,6 +297,33 @@ def test_the_history_logit_is_added_to_the_items_a_position_has_read(retrieval):
     assert repeats > 0  # some targets are held already: their own logit counts
     retrieval_loss, _ = objectives.losses(*inputs)
     torch.testing.assert_close(retrieval_loss, total)
+    weights = [p for p in objectives.parameters() if p.requires_grad]
+    got = torch.autograd.grad(retrieval_loss, weights, allow_unused=True, materialize_grads=True)
+    expected = torch.autograd.grad(total, weights, allow_unused=True, materialize_grads=True)
+    for g, e in zip(got, expected):  # the logit's own gradient among them
+        torch.testing.assert_close(g, e)
+
+
+def test_the_catalogue_pairs_are_what_the_history_holds_over_every_column():
+    """``catalogue_pairs`` of the real queries of histories that repeat items (each pair once), empty ones and
+    padding: the True entries of ``holds`` over the whole catalogue (column c is item c + 1)."""
+    from lightning_hstu.models.hstu import HistoryItems
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, width = 6, 9, 7
+    lengths = torch.tensor([0, length, 4, 1, 0, 6])
+    real = torch.arange(length) < lengths[:, None]
+    target_ids = torch.randint(1, width, (batch, length), generator=gen)  # 6 items over 20 events: repeats
+    sample = torch.arange(batch)[:, None].expand(batch, length)
+    position = torch.arange(length)[None, :].expand(batch, length)
+    history = HistoryItems(target_ids, sample, position, real, batch, width, table=True)
+    query_sample, query_position = sample[real], position[real]
+    rows, columns = history.catalogue_pairs(query_sample, query_position)
+    got = torch.zeros(len(query_sample), width - 1, dtype=torch.bool)
+    got[rows, columns] = True
+    expected = history.holds(query_sample, query_position, torch.arange(1, width))
+    assert torch.equal(got, expected) and expected.sum() > 10
+    assert len(set(zip(rows.tolist(), columns.tolist()))) == len(rows)  # no pair twice
 
 
 def test_on_histories_that_never_return_to_an_item_the_history_logit_is_pushed_down():
