@@ -318,7 +318,7 @@ def test_the_catalogue_pairs_are_what_the_history_holds_over_every_column():
     position = torch.arange(length)[None, :].expand(batch, length)
     history = HistoryItems(target_ids, sample, position, real, batch, width, table=True)
     query_sample, query_position = sample[real], position[real]
-    rows, columns = history.catalogue_pairs(query_sample, query_position)
+    rows, columns = history.catalogue_pairs(query_sample)
     got = torch.zeros(len(query_sample), width - 1, dtype=torch.bool)
     got[rows, columns] = True
     expected = history.holds(query_sample, query_position, torch.arange(1, width))

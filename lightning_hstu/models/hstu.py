@@ -676,13 +676,14 @@ class HistoryItems:
         ordered = torch.sort(composite).values
         return ordered // span, ordered % span
 
-    def catalogue_pairs(self, sample: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def catalogue_pairs(self, sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query, column) of every item that each query's history holds, for scores over the whole catalogue
         (column c is item c + 1): what ``holds`` says for every column, as the few pairs where it is True
-        (about a query's position each) rather than a [queries, items] mask. The queries (``sample``,
-        ``position``: [Q]) must be every real target's, grouped by sample, positions 0, 1, ... in order (the
-        real rows of either layout, in order). Each item once per query, where the history holds it several
-        times. Needs the table (``table=True``); its sizes come from the data: for the host."""
+        (about a query's position each) rather than a [queries, items] mask. The queries are every real
+        target's, grouped by sample, each sample's in position order (the real rows of either layout, in
+        order), given by their samples ([Q]): query q of sample s is at position q - (s's first query). Each
+        item once per query, where the history holds it several times. Needs the table (``table=True``); its
+        sizes come from the data: for the host."""
         target_ids, real = self._targets
         item, at = target_ids.flatten().long(), self.position.flatten().long()
         owner = self.sample.flatten().long()
@@ -996,7 +997,7 @@ class HSTUObjectives(nn.Module):
                     # The logit added in place at the (row, item) pairs the histories hold, a few per row, where
                     # the mask of ``_held`` took five passes over [rows, items] (20% of the main job's step).
                     # In place: the product that made the scores does not keep them for its backward.
-                    pairs = history.catalogue_pairs(*(r[real] for r in rows))
+                    pairs = history.catalogue_pairs(rows[0][real])
                     logit = (self.history_logit / self.temperature).to(scores.dtype)
                     scores = scores.index_put_(pairs, logit.expand(len(pairs[0])), accumulate=True)
             if scores is None:
