@@ -693,7 +693,8 @@ class HistoryItems:
         start = torch.cumsum(queries, 0) - queries
         later = (queries[owner] - at - 1).clamp(min=0)  # the queries after the item's position hold it
         total = int(later.sum())
-        step = torch.arange(total, device=item.device) - torch.repeat_interleave(torch.cumsum(later, 0) - later, later)
+        group_start = torch.repeat_interleave(torch.cumsum(later, 0) - later, later, output_size=total)
+        step = torch.arange(total, device=item.device) - group_start
         rows = torch.repeat_interleave(start[owner] + at + 1, later, output_size=total) + step
         return rows, torch.repeat_interleave(item - 1, later, output_size=total)
 
@@ -988,20 +989,19 @@ class HSTUObjectives(nn.Module):
             # over the items 1 .. num_items (column c is id c + 1; a position without a target has id 0)
             query, target_ids, position_weight = query.flatten(0, -2), target_ids.flatten(), weight.flatten()
             rows = None if rows is None else tuple(r.flatten() for r in rows)
-            scores = None
             if not query.is_cuda:  # the padded CPU layout: score only the real positions (no wait on a CPU)
                 real = position_weight > 0
                 query, target_ids, position_weight = query[real], target_ids[real], position_weight[real]
-                scores, ids = negative_scores(query)
-                if history is not None:
-                    # The logit added in place at the (row, item) pairs the histories hold, a few per row, where
-                    # the mask of ``_held`` took five passes over [rows, items] (20% of the main job's step).
-                    # In place: the product that made the scores does not keep them for its backward.
-                    pairs = history.catalogue_pairs(rows[0][real])
-                    logit = (self.history_logit / self.temperature).to(scores.dtype)
-                    scores = scores.index_put_(pairs, logit.expand(len(pairs[0])), accumulate=True)
-            if scores is None:
-                scores, ids = negative_scores(query)
+                rows = None if rows is None else tuple(r[real] for r in rows)
+            scores, ids = negative_scores(query)
+            if history is not None and not query.is_cuda:
+                # The logit added in place at the (row, item) pairs the histories hold, a few per row, where
+                # the mask of ``_held`` took five passes over [rows, items] (20% of the main job's step).
+                # In place: the product that made the scores does not keep them for its backward.
+                pairs = history.catalogue_pairs(rows[0])
+                logit = (self.history_logit / self.temperature).to(scores.dtype)
+                scores = scores.index_put_(pairs, logit.expand(len(pairs[0])), accumulate=True)
+            else:
                 scores = self._held(scores, history, rows, ids)
             retrieval = F.cross_entropy(scores.float(), target_ids - 1, ignore_index=-1, reduction="none")
             retrieval = (retrieval * position_weight).sum()
