@@ -61,7 +61,11 @@ SWEEP_WIDE = (  # the same for heads of 256: accumulators twice as wide
         {"dq": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
         for m, n, w, s in [(64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)]
     ]
-    + [{"bias_grads": "dkdv"}, {"bias_grads": "dkdv", "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}]
+    + [
+        {"store_ds": False},  # the dq kernel recomputes the scores and dP
+        {"store_ds": False, "bias_grads": "dkdv"},
+        {"store_ds": False, "bias_grads": "dkdv", "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)},
+    ]
 )
 
 

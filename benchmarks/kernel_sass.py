@@ -10,10 +10,11 @@ The file is a copy of ``lightning_hstu/kernels/hstu_attention.py`` (as ``kernel_
 launch is the bf16 one of a model with heads of 128 (``--dim 256``: of 256): the kernel's own
 ``kernel_configs``, pointers and integer arguments aligned to 16 bytes (as Triton specialises them for the
 real tensors), TMA descriptors where the file's kernels load through them (the forward's keys and values,
-the dk/dv kernel's queries and output gradients), no distance clamp. Triton's compiler and the ptxas it
-ships produce the same SASS as on the GPU machine when the Triton version is the same (3.6.0 there: checked
-against Nsight Compute's listing of the forward, 3864 instructions both). Loops are the backward branches;
-each line gives the instructions between the branch and its target."""
+the dk/dv kernel's queries and output gradients, the stored score gradients), no distance clamp; ``dq`` is
+the kernel the configs launch (``_hstu_bwd_dq_stored`` where they store the score gradients). Triton's
+compiler and the ptxas it ships produce the same SASS as on the GPU machine when the Triton version is the
+same (3.6.0 there: checked against Nsight Compute's listing of the forward, 3864 instructions both). Loops
+are the backward branches; each line gives the instructions between the branch and its target."""
 
 import argparse
 import collections
@@ -44,8 +45,10 @@ POINTERS = {
     "time_table": "*fp32",
     "d_position": "*fp32",
     "d_time": "*fp32",
+    "ds_rows": "*i32",
 }
 KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
+STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
 DESCRIPTORS = {
     "fwd": {"K": "BLOCK_N", "V": "BLOCK_N"},
     "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"},
@@ -92,7 +95,8 @@ def opcode_counts(code: list[tuple[int, str]]) -> collections.Counter:
 
 
 def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 128):
-    fn = getattr(module, KERNELS[kind])
+    store = bool(configs.get("store_ds"))
+    fn = getattr(module, STORED_DQ if kind == "dq" and store else KERNELS[kind])
     config = dict(config)
     options = {key: config.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in config}
     constants = dict(
@@ -106,6 +110,8 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         RANGE_BLOCK=module.range_block(configs) if hasattr(module, "range_block") else None,  # older files: none
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         TIME_BLOCK=64,
+        STORE_DS=store,
+        **({} if store else {"DS": None, "ds_rows": None}),  # not stored: the kernel takes None for them
         **{"BIAS_GRADS": configs["bias_grads"] == kind, **config},  # --config may name BIAS_GRADS
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
@@ -116,6 +122,8 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
             signature[name] = "constexpr"
         elif name in DESCRIPTORS[kind] and f"{name}.load(" in source:  # TMA descriptors of [tokens, heads, dim]
             signature[name] = f"tensordesc<bf16[{config[DESCRIPTORS[kind][name]]}, 1, {dim}]>"
+        elif name == "DS":  # the stored score gradients, [keys, queries] tiles
+            signature[name] = f"tensordesc<bf16[{config['BLOCK_N']}, {config['BLOCK_M']}]>"
         else:
             signature[name] = POINTERS.get(name, "i32")
             attrs[(index,)] = [["tt.divisibility", 16]]

@@ -81,6 +81,8 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
     "bias gradients in dq": {},
     "bias gradients in dkdv": {"bias_grads": "dkdv"},
     "dq tiles of two key blocks": {"dq": dict(BLOCK_M=32, BLOCK_N=16)},  # the position sums' rotated row blocks
+    "score gradients stored": {"store_ds": True},  # dq from the dk/dv kernel's score gradients
+    "score gradients stored, dq tiles of two key blocks": {"store_ds": True, "dq": dict(BLOCK_M=32, BLOCK_N=16)},
 }
 
 
@@ -233,3 +235,35 @@ def test_float_times_and_empty_tables_are_refused():
         kernel.hstu_attention(q, k, v, offsets, times.double() + 0.5, bias.position, bias.time, 8)
     with pytest.raises(ValueError, match="the bias tables need at least one entry each, got 8 and 0"):
         kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time[:0], 8)
+
+
+@pytest.mark.parametrize("launch", ["bias gradients in dq", "score gradients stored"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sequence_longer_than_max_len_leaves_the_others_gradients_alone(device, launch, monkeypatch):
+    """``max_len`` below a sequence's length is a caller's error the kernel cannot see without a host sync;
+    its rows then get no output, but the other sequences' output and gradients stay exact (the stored score
+    gradients of the long sequences stay inside their own blocks)."""
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
+    q, k, v, offsets, times, lengths_t = jagged_batch([50, 3, 44], 2, 16, 16, 8, device)
+    bias = bias_tables(40, 8, device)
+    grad = torch.randn(len(q), 2, 16, device=device)
+    got = outputs_and_gradients(
+        lambda: kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 40), q, k, v, bias, grad
+    )
+    short = slice(50, 53)
+    parts = [t[short].detach().requires_grad_() for t in (q, k, v)]
+    expected = outputs_and_gradients(
+        lambda: reference(*parts, lengths_t[1:2], times[short], bias), *parts, bias, grad[short]
+    )
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got[:4], expected[:4]):
+        torch.testing.assert_close(g[short], e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeypatch):
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), "store_ds": True, "bias_grads": "dkdv"})
+    q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
+    bias = bias_tables(8, 8, "cpu")
+    with pytest.raises(ValueError, match="store_ds: the dq kernel reads the stored score gradients"):
+        kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 8)

@@ -21,7 +21,13 @@ the matrix product's register layout (loads in inline PTX), not through shared m
 Backward in two kernels, without atomics on the large gradients (so dq, dk and dv are deterministic):
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
 of queries walks the keys before it and accumulates dq and the bias gradients (in the dk/dv kernel, whose
-two accumulators already fill the registers, they spilled). Both recompute the scores.
+two accumulators already fill the registers, they spilled). Both recompute the scores, unless the launch
+settings store the score gradients (``store_ds``, heads wider than 128 in bf16): then the dk/dv kernel also
+writes each tile's score gradients, in q's dtype and by TMA, and the dq kernel (``_hstu_bwd_dq_stored``)
+reads them back, one matrix product per tile instead of three. They go to a buffer of one call, per head
+each sequence's keys (rounded up to the largest tile side) by ``max_len`` columns: about heads x tokens x
+max_len elements (0.76 GB at the seed benchmark's batch of 22,070 tokens), written and read only where a
+tile is causal. Not a [B, heads, L, L] tensor, but one that grows as tokens x max_len.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
@@ -578,10 +584,15 @@ def _dkdv_tile(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    DS,
+    ds_row,
+    STORE_DS: tl.constexpr,
 ):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed). The
     queries and their output gradients arrive by TMA (``Q`` and ``dOut`` are descriptors of the [tokens,
-    heads, dim] tensors): rows past the sequence's end belong to the next one, so their pairs are masked."""
+    heads, dim] tensors): rows past the sequence's end belong to the next one, so their pairs are masked.
+    ``STORE_DS``: the tile's score gradients also go to ``DS`` (a descriptor of [keys, queries] rows; the
+    sequence's and head's keys from row ``ds_row``), by TMA."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
     q_t = tl.trans(tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A]))  # [A, M]
@@ -616,6 +627,8 @@ def _dkdv_tile(
         ds = tl.where(row_ok[None, :], ds, 0.0)
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
+    if STORE_DS:
+        DS.store([ds_row + first, row], ds.to(q_t.dtype))
     if BIAS_GRADS:
         dtime = _bias_grads(
             ds,
@@ -644,6 +657,9 @@ def _hstu_bwd_dkdv(
     dOut,
     dK,
     dV,
+    DS,
+    ds_rows,
+    ds_head_rows,
     d_position,
     d_time,
     offsets,
@@ -676,6 +692,7 @@ def _hstu_bwd_dkdv(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    STORE_DS: tl.constexpr,
 ):
     block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
     if seq == tl.num_programs(1) - 1:
@@ -698,6 +715,7 @@ def _hstu_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)  # the time table's gradient from this program's tiles
+    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, STORE_DS)
     low = (first // BLOCK_M) * BLOCK_M
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
@@ -740,6 +758,9 @@ def _hstu_bwd_dkdv(
             SKEW,
             TIME_BLOCK,
             RANGE_BLOCK,
+            DS,
+            ds_row,
+            STORE_DS,
         )
     for row in range(unmasked, n, BLOCK_M):
         dk, dv, dtime = _dkdv_tile(
@@ -781,6 +802,9 @@ def _hstu_bwd_dkdv(
             SKEW,
             TIME_BLOCK,
             RANGE_BLOCK,
+            DS,
+            ds_row,
+            STORE_DS,
         )
     _store_rows(
         dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
@@ -1024,11 +1048,265 @@ def _hstu_bwd_dq(
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
+@triton.jit
+def _ds_row(ds_rows, ds_head_rows, seq, head, STORE_DS: tl.constexpr):
+    """The first row of a sequence's and head's keys in the stored score gradients (``ds_rows[seq]`` within
+    each head's ``ds_head_rows`` rows)."""
+    if STORE_DS:
+        return head * ds_head_rows + tl.load(ds_rows + seq)
+    else:
+        return 0
+
+
+@triton.jit
+def _buckets(ts_known, ts_pointers, low, high, num_buckets, FAST: tl.constexpr):
+    """Each pair's time bucket of a tile whose bucket range is ``low..high`` (``_bias``'s, without the tables)."""
+    if low == high:
+        bucket = tl.full(ts_pointers.shape, 0, tl.int32) + low
+    else:
+        bucket = _bucket(ts_known - _read(ts_pointers, FAST), num_buckets)
+    return bucket
+
+
+@triton.jit
+def _dq_stored_tile(
+    dq,
+    dtime,
+    DS,
+    ds_row,
+    ts_i,
+    rows,
+    row_ok,
+    first,
+    key,
+    K,
+    start,
+    head,
+    ts,
+    ranges,
+    ti_min,
+    ti_max,
+    d_position,
+    n,
+    inv_n,
+    num_positions,
+    num_buckets,
+    BLOCK_A: tl.constexpr,
+    MASKED: tl.constexpr,
+    LAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
+):
+    """One [queries, keys] tile of dq from the score gradients the dk/dv kernel stored (keys by queries), and
+    its bias gradients. Entries the dk/dv kernel did not write (past the diagonal or the sequence's end, of
+    tiles it did not visit) are masked here."""
+    cols = key + tl.arange(0, BLOCK_N)
+    ds = tl.trans(DS.load([ds_row + key, first])).to(tl.float32)
+    if MASKED:
+        ds = tl.where((rows[:, None] >= cols[None, :]) & row_ok[:, None], ds, 0.0)
+    elif LAST:
+        ds = tl.where(row_ok[:, None], ds, 0.0)
+    tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
+    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
+    bucket = _buckets(
+        ts_i[:, None],
+        tl.broadcast_to((ts + tl.minimum(cols, n - 1))[None, :], (BLOCK_M, BLOCK_N)),
+        low,
+        high,
+        num_buckets,
+        FAST,
+    )
+    dtime = _bias_grads(
+        ds,
+        bucket,
+        low,
+        high,
+        first - key,
+        d_position,
+        dtime,
+        inv_n,
+        num_positions,
+        False,
+        BLOCK_M,
+        BLOCK_N,
+        SKEW,
+        TIME_BLOCK,
+    )
+    k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
+
+
+@triton.jit
+def _hstu_bwd_dq_stored(
+    DS,
+    ds_rows,
+    ds_head_rows,
+    K,
+    dQ,
+    d_position,
+    d_time,
+    offsets,
+    tokens,
+    timestamps,
+    ranges,
+    range_blocks,
+    stride_dqn,
+    stride_dqh,
+    num_positions,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKEW: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
+):
+    """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
+    recomputes the scores and dP (two more)."""
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, head = tl.program_id(1), tl.program_id(2)
+    if seq == tl.num_programs(1) - 1:
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M)
+        return
+    start, n = _sequence(offsets, seq)
+    first = block * BLOCK_M
+    if first >= n:
+        return
+    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, True)
+    ts = timestamps + start
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    ts_i = tl.load(ts + rows, mask=row_ok, other=0)
+    ranges += 2 * seq * range_blocks
+    ti_min, ti_max = _time_range(ranges, first, BLOCK_M, RANGE_BLOCK)
+    dq = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)
+    inv_n = 1.0 / n.to(tl.float32)
+    if first + BLOCK_M > n:  # the sequence's last block of queries: rows past its end are masked
+        for key in range(0, first, BLOCK_N):
+            dq, dtime = _dq_stored_tile(
+                dq,
+                dtime,
+                DS,
+                ds_row,
+                ts_i,
+                rows,
+                row_ok,
+                first,
+                key,
+                K,
+                start.to(tl.int32),
+                head,
+                ts,
+                ranges,
+                ti_min,
+                ti_max,
+                d_position,
+                n,
+                inv_n,
+                num_positions,
+                num_buckets,
+                BLOCK_A,
+                False,
+                True,
+                PRECISION,
+                FAST,
+                BLOCK_M,
+                BLOCK_N,
+                SKEW,
+                TIME_BLOCK,
+                RANGE_BLOCK,
+            )
+    else:
+        for key in range(0, first, BLOCK_N):
+            dq, dtime = _dq_stored_tile(
+                dq,
+                dtime,
+                DS,
+                ds_row,
+                ts_i,
+                rows,
+                row_ok,
+                first,
+                key,
+                K,
+                start.to(tl.int32),
+                head,
+                ts,
+                ranges,
+                ti_min,
+                ti_max,
+                d_position,
+                n,
+                inv_n,
+                num_positions,
+                num_buckets,
+                BLOCK_A,
+                False,
+                False,
+                PRECISION,
+                FAST,
+                BLOCK_M,
+                BLOCK_N,
+                SKEW,
+                TIME_BLOCK,
+                RANGE_BLOCK,
+            )
+    for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
+        dq, dtime = _dq_stored_tile(
+            dq,
+            dtime,
+            DS,
+            ds_row,
+            ts_i,
+            rows,
+            row_ok,
+            first,
+            key,
+            K,
+            start.to(tl.int32),
+            head,
+            ts,
+            ranges,
+            ti_min,
+            ti_max,
+            d_position,
+            n,
+            inv_n,
+            num_positions,
+            num_buckets,
+            BLOCK_A,
+            True,
+            False,
+            PRECISION,
+            FAST,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+            TIME_BLOCK,
+            RANGE_BLOCK,
+        )
+    _store_rows(
+        dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
+    )
+    _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
+
+
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
-    """Launch settings per kernel, and which backward kernel sums the bias gradients. On CUDA, the fastest
-    of the candidates timed on an H200 for heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py
-    --sweep`` and the comparisons in BENCHMARKS.md); smaller tiles for fp32, whose tiles take twice the
-    shared memory. Small tiles on the CPU (Triton's interpreter: tests only)."""
+    """Launch settings per kernel, which backward kernel sums the bias gradients, and whether the dk/dv
+    kernel stores the score gradients for the dq kernel (``store_ds``; ``dq`` then launches
+    ``_hstu_bwd_dq_stored``). On CUDA, the fastest of the candidates timed on an H200 for heads of 128 and of
+    256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in BENCHMARKS.md);
+    smaller tiles for fp32, whose tiles take twice the shared memory. Small tiles on the CPU (Triton's
+    interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
@@ -1046,6 +1324,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "dkdv": dict(BLOCK_M=32, BLOCK_N=64, **wide),
             "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168),  # 3 programs per SM
             "bias_grads": "dq",
+            "store_ds": True,  # dq from the dk/dv kernel's score gradients
         }
     if dtype == torch.float32:
         return {
@@ -1067,6 +1346,8 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         raise ValueError(
             f"bias_grads must name the kernel that sums the bias gradients (dkdv or dq), got {configs['bias_grads']!r}"
         )
+    if configs.get("store_ds") and configs["bias_grads"] != "dq":
+        raise ValueError("store_ds: the dq kernel reads the stored score gradients and sums the bias gradients")
     for kind in ("fwd", "dq"):  # their unmasked key blocks end where the query block starts
         if configs[kind]["BLOCK_M"] % configs[kind]["BLOCK_N"]:
             raise ValueError(f"{kind}: BLOCK_N must divide BLOCK_M, got {configs[kind]}")
@@ -1119,7 +1400,25 @@ def _check(q, k, v, offsets, timestamps, position, time):
 
 
 def _tile_sides(configs: dict[str, dict]) -> list[int]:
-    return [c[side] for kind, c in configs.items() if kind != "bias_grads" for side in ("BLOCK_M", "BLOCK_N")]
+    return [c[side] for c in configs.values() if isinstance(c, dict) for side in ("BLOCK_M", "BLOCK_N")]
+
+
+def _ds_rows(offsets: torch.Tensor, tokens: int, heads: int, max_len: int, side: int, dtype) -> tuple:
+    """Memory for the score gradients the dk/dv kernel stores, [heads x rows, columns]: per head, each
+    sequence's keys (``min(n, max_len)`` of them, rounded up to ``side``) are rows, its queries columns
+    (``max_len`` rounded up to ``side``); and each sequence's first row (made on the device: no host sync) and
+    the rows per head. Sized without reading the lengths: the rounded lengths sum to at most ``tokens`` plus
+    ``side`` per sequence."""
+    sides = ((offsets[1:] - offsets[:-1]).clamp(0, max_len) + side - 1) // side * side
+    rows = torch.nn.functional.pad(torch.cumsum(sides, 0), (1, 0))[:-1].int()
+    head_rows = tokens + (len(offsets) - 1) * side
+    columns = triton.cdiv(max(max_len, 1), side) * side
+    return torch.empty(max(heads * head_rows, 1), columns, dtype=dtype, device=offsets.device), rows, head_rows
+
+
+def _ds_descriptor(ds: torch.Tensor, config: dict) -> TensorDescriptor:
+    """The stored score gradients read and written as [keys, queries] tiles of a kernel's blocks."""
+    return TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [config["BLOCK_N"], config["BLOCK_M"]])
 
 
 def range_block(configs: dict[str, dict]) -> int:
@@ -1200,6 +1499,13 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         **sizes, TIME_BLOCK=max(16, triton.next_power_of_2(time.numel())), RANGE_BLOCK=state["range_block"]
     )
     in_dq = configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
+    store = bool(configs.get("store_ds"))
+    if store:
+        ds, ds_rows, ds_head_rows = _ds_rows(
+            offsets, q.shape[0], q.shape[1], max_len, max(_tile_sides(configs)), q.dtype
+        )
+    else:
+        ds_rows, ds_head_rows = None, 0
     config = configs["dkdv"]
     _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1])](
         _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
@@ -1208,6 +1514,9 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         _rows_descriptor(do, config["BLOCK_M"], sizes["BLOCK_D"]),
         dk,
         dv,
+        _ds_descriptor(ds, config) if store else None,
+        ds_rows,
+        ds_head_rows,
         d_position,
         d_time,
         *common,
@@ -1216,8 +1525,34 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         **config,
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         BIAS_GRADS=not in_dq,
+        STORE_DS=store,
     )
     config = configs["dq"]
+    skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
+    if store:
+        _hstu_bwd_dq_stored[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+            _ds_descriptor(ds, config),
+            ds_rows,
+            ds_head_rows,
+            _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
+            dq,
+            d_position,
+            d_time,
+            *common[:5],
+            dq.stride(0),
+            dq.stride(1),
+            sizes["num_positions"],
+            sizes["num_buckets"],
+            ATTENTION_DIM=sizes["ATTENTION_DIM"],
+            BLOCK_A=sizes["BLOCK_A"],
+            PRECISION=sizes["PRECISION"],
+            FAST=sizes["FAST"],
+            TIME_BLOCK=constants["TIME_BLOCK"],
+            RANGE_BLOCK=constants["RANGE_BLOCK"],
+            **config,
+            SKEW=skew,
+        )
+        return d_position.to(position.dtype), d_time.to(time.dtype)
     _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
         q,
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
@@ -1230,7 +1565,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         *(stride for t in (q, do, dq) for stride in t.stride()[:2]),
         **constants,
         **config,
-        SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
+        SKEW=skew,
         BIAS_GRADS=in_dq,
     )
     return d_position.to(position.dtype), d_time.to(time.dtype)
