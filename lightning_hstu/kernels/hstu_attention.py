@@ -1321,8 +1321,8 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             }
         return {
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, **wide),
-            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=168),  # 3 programs per SM
+            "dkdv": dict(BLOCK_M=64, BLOCK_N=64, **wide),
+            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168),  # 3 programs per SM
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
         }
