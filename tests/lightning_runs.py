@@ -18,9 +18,16 @@ QUIET = dict(
     num_sanity_val_steps=0,
 )
 
-_SCRATCH = tempfile.TemporaryDirectory(prefix="lightning-runs-")
-"""Where a fit writes what it is not told to write elsewhere (Lightning's default checkpoint callback saves
-under ``default_root_dir``, the working directory unless given): removed at the end of the process."""
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
+
+
+def _scratch_dir() -> str:
+    """Where a fit writes what it is not told to write elsewhere (Lightning's default checkpoint callback saves
+    under ``default_root_dir``, the working directory unless given): made at the process's first fit (the
+    rank scripts import this module for ``end_process_groups`` alone) and removed at the end of the process."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="lightning-runs-"))
+    return tempfile.mkdtemp(dir=_SCRATCH[0].name)
 
 
 class SharedDirectoryLogger(Logger):
@@ -82,7 +89,7 @@ def fit(
         "devices": 1,
         "max_epochs": 2,
         "use_distributed_sampler": False,
-        "default_root_dir": tempfile.mkdtemp(dir=_SCRATCH.name),
+        "default_root_dir": _scratch_dir(),
         **trainer_kwargs,
     }
     trainer = pl.Trainer(strategy=strategy, **options)
