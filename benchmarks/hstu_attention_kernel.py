@@ -62,9 +62,17 @@ SWEEP_WIDE = (  # the same for heads of 256: accumulators twice as wide
         for m, n, w, s in [(64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)]
     ]
     + [
-        {"store_ds": False},  # the dq kernel recomputes the scores and dP
-        {"store_ds": False, "bias_grads": "dkdv"},
-        {"store_ds": False, "bias_grads": "dkdv", "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)},
+        {"bands": None},  # the position sums in the stored dq kernel
+        {"bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=64)},  # a band in one program
+        {"bands": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, CHUNK=32)},
+        {"store_ds": False, "bands": None},  # the dq kernel recomputes the scores and dP
+        {"store_ds": False, "bands": None, "bias_grads": "dkdv"},
+        {
+            "store_ds": False,
+            "bands": None,
+            "bias_grads": "dkdv",
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+        },
     ]
 )
 

@@ -111,6 +111,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         TIME_BLOCK=64,
         STORE_DS=store,
+        POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None}),  # not stored: the kernel takes None for them
         **{"BIAS_GRADS": configs["bias_grads"] == kind, **config},  # --config may name BIAS_GRADS
     )

@@ -83,6 +83,10 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
     "dq tiles of two key blocks": {"dq": dict(BLOCK_M=32, BLOCK_N=16)},  # the position sums' rotated row blocks
     "score gradients stored": {"store_ds": True},  # dq from the dk/dv kernel's score gradients
     "score gradients stored, dq tiles of two key blocks": {"store_ds": True, "dq": dict(BLOCK_M=32, BLOCK_N=16)},
+    "position sums by bands": {
+        "store_ds": True,
+        "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
+    },  # from the stored ones
 }
 
 
@@ -237,7 +241,7 @@ def test_float_times_and_empty_tables_are_refused():
         kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time[:0], 8)
 
 
-@pytest.mark.parametrize("launch", ["bias gradients in dq", "score gradients stored"])
+@pytest.mark.parametrize("launch", ["bias gradients in dq", "score gradients stored", "position sums by bands"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_sequence_longer_than_max_len_leaves_the_others_gradients_alone(device, launch, monkeypatch):
     """``max_len`` below a sequence's length is a caller's error the kernel cannot see without a host sync;
@@ -266,4 +270,26 @@ def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeyp
     q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
     bias = bias_tables(8, 8, "cpu")
     with pytest.raises(ValueError, match="store_ds: the dq kernel reads the stored score gradients"):
+        kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 8)
+
+
+@pytest.mark.parametrize(
+    "launch, error",
+    [
+        (
+            {"bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2)},
+            "bands: the position table's gradient by bands reads the stored",
+        ),
+        (
+            {"store_ds": True, "bands": dict(BLOCK_M=32, BLOCK_N=16, CHUNK=2)},
+            "bands: the tiles of a band must be square",
+        ),
+    ],
+)
+def test_position_sums_by_bands_need_stored_square_tiles(launch, error, monkeypatch):
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **launch})
+    q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
+    bias = bias_tables(8, 8, "cpu")
+    with pytest.raises(ValueError, match=error):
         kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 8)

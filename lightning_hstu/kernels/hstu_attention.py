@@ -36,7 +36,11 @@ buckets are wide there, and the forward then adds one number for the whole tile 
 heads of 256, that sum is taken from the position sums' two vectors rather than from the tile), else one
 sum per bucket of the tile's range (in the dq kernel along the tile's axis that stays inside a warp, added
 across warps once per eight buckets). The position sums go to the table's gradient by atomic adds per tile; the
-time sums stay in the program's registers (one per bucket) and are added once at its end. The atomic adds'
+time sums stay in the program's registers (one per bucket) and are added once at its end. Where the score
+gradients are stored and the launch settings say ``bands`` (heads of 256), the position sums leave the dq
+kernel for a kernel of their own, ``_hstu_bwd_position_bands``: every tile of one band (key block kb, query
+block kb + band) has the same distance at the same place, so it adds a band's stored tiles elementwise and
+rotates and sums the diagonals once per band rather than once per tile. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
@@ -477,13 +481,16 @@ def _bias_grads(
     BLOCK_N: tl.constexpr,
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """Adds a tile's score gradients ``ds`` to the bias tables' gradients: per position entry the sum over
-    a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), atomically; per time bucket
-    the sum over the pairs in it, into the program's ``dtime`` (``TIME_BLOCK`` sums in registers, added to
-    the table's gradient once at the program's end). ``ds`` is [keys, queries] if ``KEYS_FIRST`` else
-    [queries, keys]. Returns ``dtime``."""
-    if KEYS_FIRST:  # the query column of diagonal e in key row c: c + e - (BLOCK_N - 1)
+    a diagonal (i - j = ``base`` + e - (BLOCK_N - 1) for the tile's diagonal e), atomically, unless not
+    ``POSITIONS`` (another kernel sums them); per time bucket the sum over the pairs in it, into the
+    program's ``dtime`` (``TIME_BLOCK`` sums in registers, added to the table's gradient once at the
+    program's end). ``ds`` is [keys, queries] if ``KEYS_FIRST`` else [queries, keys]. Returns ``dtime``."""
+    if not POSITIONS:
+        pass
+    elif KEYS_FIRST:  # the query column of diagonal e in key row c: c + e - (BLOCK_N - 1)
         diagonal = tl.arange(0, SKEW)
         skew = tl.arange(0, BLOCK_N)[:, None] + diagonal[None, :] - (BLOCK_N - 1)
         skew_ok = (skew >= 0) & (skew < BLOCK_M)
@@ -499,7 +506,7 @@ def _bias_grads(
         total = _position_grads(ds, base, d_position, scale, num_positions, BLOCK_M, BLOCK_N)
     slots = tl.arange(0, TIME_BLOCK)
     if low == high:  # one bucket for the whole tile (usual away from the diagonal)
-        if KEYS_FIRST or BLOCK_M != BLOCK_N:
+        if KEYS_FIRST or BLOCK_M != BLOCK_N or not POSITIONS:
             total = tl.sum(ds)  # from the position sums only where they are one row block (cheaper there)
         dtime += tl.where(slots == low, total, 0.0)
     elif KEYS_FIRST:
@@ -645,6 +652,7 @@ def _dkdv_tile(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            True,
         )
     return dk, dv, dtime
 
@@ -899,6 +907,7 @@ def _dq_tile(
             BLOCK_N,
             SKEW,
             TIME_BLOCK,
+            True,
         )
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
 
@@ -1101,10 +1110,11 @@ def _dq_stored_tile(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """One [queries, keys] tile of dq from the score gradients the dk/dv kernel stored (keys by queries), and
-    its bias gradients. Entries the dk/dv kernel did not write (past the diagonal or the sequence's end, of
-    tiles it did not visit) are masked here."""
+    its bias gradients (the position table's unless not ``POSITIONS``). Entries the dk/dv kernel did not
+    write (past the diagonal or the sequence's end, of tiles it did not visit) are masked here."""
     cols = key + tl.arange(0, BLOCK_N)
     ds = tl.trans(DS.load([ds_row + key, first])).to(tl.float32)
     if MASKED:
@@ -1136,6 +1146,7 @@ def _dq_stored_tile(
         BLOCK_N,
         SKEW,
         TIME_BLOCK,
+        POSITIONS,
     )
     k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
@@ -1168,9 +1179,11 @@ def _hstu_bwd_dq_stored(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
-    recomputes the scores and dP (two more)."""
+    recomputes the scores and dP (two more). The position table's gradient only if ``POSITIONS`` (else
+    ``_hstu_bwd_position_bands`` sums it)."""
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq, head = tl.program_id(1), tl.program_id(2)
     if seq == tl.num_programs(1) - 1:
@@ -1224,6 +1237,7 @@ def _hstu_bwd_dq_stored(
                 SKEW,
                 TIME_BLOCK,
                 RANGE_BLOCK,
+                POSITIONS,
             )
     else:
         for key in range(0, first, BLOCK_N):
@@ -1259,6 +1273,7 @@ def _hstu_bwd_dq_stored(
                 SKEW,
                 TIME_BLOCK,
                 RANGE_BLOCK,
+                POSITIONS,
             )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
         dq, dtime = _dq_stored_tile(
@@ -1293,6 +1308,7 @@ def _hstu_bwd_dq_stored(
             SKEW,
             TIME_BLOCK,
             RANGE_BLOCK,
+            POSITIONS,
         )
     _store_rows(
         dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
@@ -1300,11 +1316,52 @@ def _hstu_bwd_dq_stored(
     _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
+@triton.jit
+def _hstu_bwd_position_bands(
+    DS,
+    ds_rows,
+    ds_head_rows,
+    d_position,
+    offsets,
+    max_len,
+    num_positions,
+    bands,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The position table's gradient from the stored score gradients, by bands of tiles: program (band,
+    chunk, sequence, head) adds up elementwise the [keys, queries] tiles of key block ``kb`` and query block
+    ``kb + band`` for the chunk's ``CHUNK`` key blocks (square tiles, BLOCK_M == BLOCK_N: entry (c, r) of
+    each is at distance band x BLOCK_M + r - c), then sums the accumulator's diagonals once and adds them
+    atomically: a pass over the causal score gradients at memory speed, where the dq kernel would rotate and
+    add every tile. Chunks keep the longest bands from setting the kernel's time."""
+    band, chunk = tl.program_id(0) % bands, tl.program_id(0) // bands
+    seq, head = tl.program_id(1), tl.program_id(2)
+    start, n = _sequence(offsets, seq)
+    first = band * BLOCK_M
+    stored = tl.minimum(n, max_len)  # the keys the buffer holds
+    low = chunk * CHUNK * BLOCK_N
+    if first + low >= stored:
+        return
+    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, True)
+    keys = tl.arange(0, BLOCK_N)[:, None]
+    queries = tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for key in range(low, tl.minimum(stored - first, low + CHUNK * BLOCK_N), BLOCK_N):
+        tile = DS.load([ds_row + key, first + key]).to(tl.float32)
+        acc += tl.where((first + queries >= keys) & (first + key + queries < stored), tile, 0.0)
+    _position_grads(tl.trans(acc), first, d_position, 1.0 / n.to(tl.float32), num_positions, BLOCK_M, BLOCK_N)
+
+
 def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch.device) -> dict[str, dict]:
     """Launch settings per kernel, which backward kernel sums the bias gradients, and whether the dk/dv
     kernel stores the score gradients for the dq kernel (``store_ds``; ``dq`` then launches
-    ``_hstu_bwd_dq_stored``). On CUDA, the fastest of the candidates timed on an H200 for heads of 128 and of
-    256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in BENCHMARKS.md);
+    ``_hstu_bwd_dq_stored``) and, if so, whether the position table's gradient is summed from them by bands
+    of square tiles (``bands``: ``_hstu_bwd_position_bands``'s settings, ``CHUNK`` tiles of a band per
+    program; absent or None: in the dq kernel). On CUDA, the fastest of the candidates timed on an H200 for
+    heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
+    BENCHMARKS.md);
     smaller tiles for fp32, whose tiles take twice the shared memory. Small tiles on the CPU (Triton's
     interpreter: tests only)."""
     if device.type != "cuda":
@@ -1322,9 +1379,10 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
         return {
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             "dkdv": dict(BLOCK_M=64, BLOCK_N=64, **wide),
-            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168),  # 3 programs per SM
+            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3),
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
+            "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),  # the position sums
         }
     if dtype == torch.float32:
         return {
@@ -1348,6 +1406,10 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         )
     if configs.get("store_ds") and configs["bias_grads"] != "dq":
         raise ValueError("store_ds: the dq kernel reads the stored score gradients and sums the bias gradients")
+    if configs.get("bands") and not configs.get("store_ds"):
+        raise ValueError("bands: the position table's gradient by bands reads the stored score gradients (store_ds)")
+    if configs.get("bands") and configs["bands"]["BLOCK_M"] != configs["bands"]["BLOCK_N"]:
+        raise ValueError(f"bands: the tiles of a band must be square, got {configs['bands']}")
     for kind in ("fwd", "dq"):  # their unmasked key blocks end where the query block starts
         if configs[kind]["BLOCK_M"] % configs[kind]["BLOCK_N"]:
             raise ValueError(f"{kind}: BLOCK_N must divide BLOCK_M, got {configs[kind]}")
@@ -1551,7 +1613,23 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             RANGE_BLOCK=constants["RANGE_BLOCK"],
             **config,
             SKEW=skew,
+            POSITIONS=not configs.get("bands"),
         )
+        if configs.get("bands"):
+            config = configs["bands"]
+            bands = triton.cdiv(max(max_len, 1), config["BLOCK_M"])
+            chunks = triton.cdiv(bands, config["CHUNK"])
+            _hstu_bwd_position_bands[(bands * chunks, len(offsets) - 1, q.shape[1])](
+                _ds_descriptor(ds, config),
+                ds_rows,
+                ds_head_rows,
+                d_position,
+                offsets,
+                max_len,
+                sizes["num_positions"],
+                bands,
+                **config,
+            )
         return d_position.to(position.dtype), d_time.to(time.dtype)
     _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
         q,
