@@ -1361,9 +1361,8 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     of square tiles (``bands``: ``_hstu_bwd_position_bands``'s settings, ``CHUNK`` tiles of a band per
     program; absent or None: in the dq kernel). On CUDA, the fastest of the candidates timed on an H200 for
     heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
-    BENCHMARKS.md);
-    smaller tiles for fp32, whose tiles take twice the shared memory. Small tiles on the CPU (Triton's
-    interpreter: tests only)."""
+    BENCHMARKS.md); smaller tiles for fp32, whose tiles take twice the shared memory. Small tiles on the CPU
+    (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
