@@ -34,13 +34,20 @@ def test_on_the_cpu_it_is_adamw_and_never_asks_to_be_captured():
         assert torch.equal(p, q)
 
 
+SCHEDULES = {
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),  # lr_schedule="cosine"'s
+}
+
+
 @cuda
-def test_the_replayed_step_updates_like_adamw_with_the_schedulers_learning_rate():
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_the_replayed_step_updates_like_adamw_with_the_schedulers_learning_rate(schedule):
     device = torch.device("cuda")
     ours, theirs = parameters(device), parameters(device)
     graphed = GraphedAdamW(ours, lr=0.01, weight_decay=0.1, betas=(0.9, 0.98))
     plain = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.9, 0.98))
-    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (graphed, plain)]
+    schedules = [SCHEDULES[schedule](o) for o in (graphed, plain)]
     buffers = [torch.zeros_like(p) for p in ours]  # gradients that stay put, as megatron-core's do
     for step, grads in enumerate(gradient_steps(10)):
         if step == 3:

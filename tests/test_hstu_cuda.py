@@ -161,6 +161,16 @@ def test_the_graph_captured_dense_part_trains_like_its_eager_self(preset, padded
     assert use.optimizer_steps == (3, STEPS - 3)
 
 
+def test_a_cosine_learning_rate_reaches_the_captured_optimizer_step():
+    """``lr_schedule="cosine"`` with the AdamW step replayed from a graph: each step's rate reaches the replays
+    (the weights equal those of the run whose every step is eager, under the same schedule)."""
+    eager = train("default_d6", NeverCaptured, capture_graphs=True, attention="padded", lr_schedule="cosine")
+    use = GraphUse()
+    graphed = train("default_d6", callbacks=[use], capture_graphs=True, attention="padded", lr_schedule="cosine")
+    assert use.optimizer_steps == (3, STEPS - 3)
+    assert_close_weights(graphed, eager)
+
+
 def test_random_host_delays_change_nothing_with_graphs(padded_eager):
     class DelayedAndGraphed(DelayedTasks):
         pass

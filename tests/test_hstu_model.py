@@ -403,6 +403,8 @@ def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
         HSTURecommender(**SMALL_MODEL, retrieval_loss="bpr")
     with pytest.raises(ValueError, match=r"ranking_weight must be at least 0 \(0 turns the ranking loss off\), got -1"):
         HSTURecommender(**SMALL_MODEL, ranking_weight=-1)
+    with pytest.raises(ValueError, match="unknown lr_schedule 'linear'; valid: constant, cosine"):
+        HSTURecommender(**SMALL_MODEL, lr_schedule="linear")
     with pytest.raises(ValueError, match="length_buckets must be 0 .plain shuffle. or a number of batches per pool"):
         small_data(length_buckets=-2)
 
@@ -611,3 +613,28 @@ def test_sasrec_history_logit_is_in_its_softmax_and_its_scores(repeats):
         shift[1, items[4:]], torch.tensor(-3.0)
     )
     assert shift.count_nonzero() == len(set(items[:4].tolist())) + 2
+
+
+class StepLRs(Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_the_dense_learning_rate_follows_the_schedule_over_the_fit(schedule):
+    """Under the engine, every optimizer step: ``cosine`` from lr down along half a cosine that ends at the
+    fit's last step, ``constant`` at lr."""
+    lrs = StepLRs()
+    _, trainer, _ = fit_hstu(epochs=2, callbacks=[lrs], model_kwargs=dict(lr=0.004, lr_schedule=schedule))
+    steps = trainer.estimated_stepping_batches
+    assert len(lrs.lrs) == steps == trainer.global_step
+    if schedule == "constant":
+        expected = [0.004] * steps
+    else:
+        expected = [0.004 * 0.5 * (1 + math.cos(math.pi * k / steps)) for k in range(steps)]
+    assert lrs.lrs == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    if schedule == "cosine":
+        assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)  # after the last step

@@ -82,6 +82,10 @@ elsewhere."""
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 """Optimizers TorchRec fuses into the embedding backward."""
+LR_SCHEDULES = ("constant", "cosine")
+"""The dense learning rate over the fit: ``constant``, ``lr`` throughout; ``cosine``, from ``lr`` down to 0
+along half a cosine over the fit's optimizer steps (``Trainer.estimated_stepping_batches``), set every step.
+The tables' fused optimizer keeps ``sparse_lr``."""
 
 
 class HSTURecommender(RankingEvaluation, pl.LightningModule):
@@ -89,10 +93,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     and ``temperature``; ``ranking_weight``, the next-action loss's weight (0 drops it and its head);
     ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); ``history_logit``, a
     learned logit for the items already in the history (``HSTUObjectives``); AdamW's ``lr``,
-    ``weight_decay`` and ``betas`` for the dense part, ``sparse_optimizer`` and ``sparse_lr`` for the
-    tables. Speed: ``attention`` (``ATTENTION``) and ``compile_layers`` (``HSTUConfig``: the layers'
-    token-wise parts through ``torch.compile`` where the fused attention runs on CUDA). Evaluated by
-    ``RankingEvaluation``."""
+    ``weight_decay`` and ``betas`` and the ``lr_schedule`` (``LR_SCHEDULES``) for the dense part,
+    ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``attention`` (``ATTENTION``) and
+    ``compile_layers`` (``HSTUConfig``: the layers' token-wise parts through ``torch.compile`` where the fused
+    attention runs on CUDA). Evaluated by ``RankingEvaluation``."""
 
     def __init__(
         self,
@@ -123,12 +127,15 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         compile_layers: bool = False,
         history_logit: bool = False,
+        lr_schedule: str = "constant",
     ):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION)}")
         if sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
         if on_nonfinite_loss not in NONFINITE:
             raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: {', '.join(NONFINITE)}")
         if ranking_weight < 0:
@@ -232,9 +239,14 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         hp = self.hparams
         plan = getattr(self.trainer.strategy, "plan", None)
         graphed = plan is not None and "optimizer_step" in plan.capturable and self.device.type == "cuda"
-        return (GraphedAdamW if graphed else torch.optim.AdamW)(
+        optimizer = (GraphedAdamW if graphed else torch.optim.AdamW)(
             self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
+        if hp.lr_schedule == "constant":
+            return optimizer
+        steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
         self.dense_grads.zero_grad()
