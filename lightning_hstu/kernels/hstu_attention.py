@@ -32,8 +32,8 @@ The bias gradients are sums of the score gradient over the pairs that share a ta
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
 table's are one sum when every gap of the tile falls in one bucket (usual away from the diagonal: log2
-buckets are wide there, and the forward then adds one number for the whole tile too; with square dq tiles,
-heads of 256, that sum is taken from the position sums' two vectors rather than from the tile), else one
+buckets are wide there, and the forward then adds one number for the whole tile too; where square dq tiles
+also sum the positions, that sum is taken from the position sums' two vectors rather than from the tile), else one
 sum per bucket of the tile's range (in the dq kernel along the tile's axis that stays inside a warp, added
 across warps once per eight buckets). The position sums go to the table's gradient by atomic adds per tile; the
 time sums stay in the program's registers (one per bucket) and are added once at its end. Where the score
