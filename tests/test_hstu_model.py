@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from conftest import engine_threads
@@ -40,7 +40,15 @@ class Losses(Callback):
         self.records.extend(trainer.strategy.step_records)
 
 
-def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, model_kwargs=None, **trainer_kwargs):
+def fit_hstu(
+    model_cls=HSTURecommender,
+    epochs=3,
+    callbacks=(),
+    strategy=None,
+    model_kwargs=None,
+    ckpt_path=None,
+    **trainer_kwargs,
+):
     pl.seed_everything(0, verbose=False)
     recorder = Losses()
     model = model_cls(**{**SMALL_MODEL, **(model_kwargs or {})})
@@ -57,7 +65,7 @@ def fit_hstu(model_cls=HSTURecommender, epochs=3, callbacks=(), strategy=None, m
             **trainer_kwargs,
         }
     )
-    trainer.fit(model, small_data())
+    trainer.fit(model, small_data(), ckpt_path=ckpt_path)
     return model, trainer, recorder
 
 
@@ -638,3 +646,16 @@ def test_the_dense_learning_rate_follows_the_schedule_over_the_fit(schedule):
     assert lrs.lrs == pytest.approx(expected, rel=1e-6, abs=1e-9)
     if schedule == "cosine":
         assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)  # after the last step
+
+
+def test_a_fit_resumed_mid_epoch_goes_on_along_the_same_cosine(tmp_path):
+    """The scheduler's state travels in the checkpoint: from the step it resumes at, the resumed fit's rates
+    are those of the fit that never stopped."""
+    schedule = dict(lr=0.004, lr_schedule="cosine")
+    whole = StepLRs()
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1, filename="{step}")
+    fit_hstu(epochs=2, callbacks=[whole, saver], model_kwargs=schedule, enable_checkpointing=True)
+    resumed = StepLRs()
+    _, trainer, _ = fit_hstu(epochs=2, callbacks=[resumed], model_kwargs=schedule, ckpt_path=tmp_path / "step=7.ckpt")
+    assert trainer.global_step == len(whole.lrs) == 24  # two epochs of 12 batches
+    assert resumed.lrs == pytest.approx(whole.lrs[7:], rel=1e-6)
