@@ -57,13 +57,17 @@ SAMPLED = dict(UNSHUFFLED, retrieval_loss="sampled")
 
 
 @pytest.mark.usefixtures("no_thread_left")
-def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_path():
+@pytest.mark.parametrize("attention", ["padded", "grouped"])
+def test_the_fixed_length_path_of_graph_capture_trains_like_the_batch_length_path(attention):
+    """Graph capture's static shapes (padded: to the model's length; grouped: the jagged tokens grown to a
+    token capacity), run eagerly on the CPU, train like the batch's own shapes."""
+    kwargs = dict(SAMPLED, attention=attention)
     engine_run = fit_hstu(
-        epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"), model_kwargs=SAMPLED
+        epochs=2, limit_val_batches=0, strategy=HSTUPipelineStrategy("legacy_none"), model_kwargs=kwargs
     )
     strategy = HSTUPipelineStrategy("legacy_none", capture_graphs=True)
     assert "forward@0[graph]" in strategy.plan.describe()
-    padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=SAMPLED)
+    padded_run = fit_hstu(epochs=2, limit_val_batches=0, strategy=strategy, model_kwargs=kwargs)
     graphed = padded_run[0].hstu_graphs()["forward"]
     assert graphed.eager_calls == len(padded_run[2].losses) and graphed.replays == 0  # CPU: never captured
     # Other padding, another summation order: the dense weights agree to 1e-7, but a table row updated by

@@ -263,6 +263,19 @@ def test_the_fused_attention_trains_like_the_padded_reference():
     assert_close_weights(fused, padded)
 
 
+def test_the_grouped_attention_trains_on_cuda_like_the_padded_one_and_is_not_captured():
+    """attention="grouped" (the CPU's default) also runs on a GPU, eagerly, with the padded reference's
+    losses; graph capture refuses it, naming the attentions it takes (the groups are read on the host)."""
+    grouped_losses, padded_losses = Losses(), Losses()
+    train("default_d6", callbacks=[grouped_losses], attention="grouped")
+    train("default_d6", callbacks=[padded_losses], attention="padded")
+    torch.testing.assert_close(
+        torch.tensor(grouped_losses.losses), torch.tensor(padded_losses.losses), rtol=1e-4, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="with capture_graphs use attention='fused' or 'padded'"):
+        train("default_d6", capture_graphs=True, attention="grouped")
+
+
 def test_the_compiled_token_wise_parts_train_like_eager_ones():
     """compile_layers: the layers' norms, SiLU, gating and residual adds through
     torch.compile, against the same ops run eagerly: the losses of every step, and every weight after one

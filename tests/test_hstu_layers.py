@@ -130,11 +130,19 @@ INTERPRETER_ONLY = pytest.mark.skipif(
 )
 
 
-@INTERPRETER_ONLY
-def test_the_jagged_stack_computes_what_the_padded_stack_does():
-    """The fused kernel's layout (Triton's interpreter on the CPU): the same hidden states and gradients."""
+JAGGED_ATTENTIONS = [pytest.param("fused", marks=INTERPRETER_ONLY), "grouped"]
+"""The jagged layout's two attentions: the fused kernel (Triton's interpreter on the CPU) and the padded
+reference's over groups of like lengths."""
+
+
+@pytest.mark.parametrize("attention", JAGGED_ATTENTIONS)
+@pytest.mark.parametrize("lengths", [[1, 32, 9, 20], [5, 5, 5], [32, 31, 1, 1, 2, 30, 17, 16, 1]])
+def test_the_jagged_stack_computes_what_the_padded_stack_does(attention, lengths):
+    """The same hidden states and gradients as the padded stack, with rows of one token and of the longest
+    length; grouped: groups of one and of several histories, of equal and unequal lengths, in an order
+    other than the batch's."""
     model = stack()
-    values, times, lengths = jagged_histories([1, 32, 9, 20])
+    values, times, lengths = jagged_histories(lengths)
     x, mask = to_padded(values, lengths)
     t, _ = to_padded(times, lengths)
     offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
@@ -143,11 +151,40 @@ def test_the_jagged_stack_computes_what_the_padded_stack_does():
     (padded * weights).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    jagged = model.jagged(values, offsets, times)
+    jagged = model.jagged(values, offsets, times, grouped=attention == "grouped")
     (jagged * weights).sum().backward()
     torch.testing.assert_close(jagged, padded, rtol=1e-5, atol=1e-5)
     for got, want in zip((p.grad for p in model.parameters()), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_length_groups_cost_least_and_cover_every_history_once():
+    """Every partition of the sorted lengths into runs costs at least what ``length_groups`` returns (checked
+    against all 2^(n-1) of them); each history is in exactly one group, the longest first in each."""
+    import itertools
+
+    from lightning_hstu.models.hstu_layers import length_groups
+
+    def cost(groups, lengths, overhead):
+        return sum(len(g) * max(lengths[i] for i in g) ** 2 + overhead for g in groups)
+
+    gen = torch.Generator().manual_seed(0)
+    for overhead in (0, 300, 10**9):
+        for _ in range(20):
+            lengths = torch.randint(1, 60, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+            groups = length_groups(lengths, overhead)
+            assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+            assert all(lengths[g[0]] == max(lengths[i] for i in g) for g in groups)
+            order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+            least = min(
+                cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], lengths, overhead)
+                for k in range(len(order))
+                for cuts in itertools.combinations(range(1, len(order)), k)
+            )
+            assert cost(groups, lengths, overhead) == least
+    assert length_groups([7, 3, 7], 10**9) == [[0, 2, 1]]  # one group where a second costs more than padding
+    assert length_groups([7, 3, 7], 1) == [[0, 2], [1]]
+    assert length_groups([], 0) == []
 
 
 ITEMS = 12
@@ -216,11 +253,11 @@ def padded_losses(retrieval, history_logit=False):
     return objectives, inputs, leaves
 
 
-def jagged_losses(retrieval, history_logit=False, extra_rows=0):
-    """``padded_losses``' histories in the fused kernel's layout, with ``extra_rows`` past the real events."""
+def jagged_losses(retrieval, history_logit=False, extra_rows=0, attention="fused"):
+    """``padded_losses``' histories in the jagged layout, with ``extra_rows`` past the real events."""
     from lightning_hstu.models.hstu import JaggedInputs
 
-    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs("fused", retrieval, history_logit)
+    objectives, leaves, times, actions, ids, lengths = objectives_and_inputs(attention, retrieval, history_logit)
     events, targets, user, negatives = leaves
     grow = lambda t: torch.cat([t, t.new_zeros((extra_rows, *t.shape[1:]))])  # noqa: E731
     inputs = JaggedInputs(
@@ -237,18 +274,18 @@ def jagged_losses(retrieval, history_logit=False, extra_rows=0):
     return objectives, inputs, leaves
 
 
-@INTERPRETER_ONLY
+@pytest.mark.parametrize("attention", JAGGED_ATTENTIONS)
 @pytest.mark.parametrize(
     "retrieval, extra_rows, history_logit",
     [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
-    + [("sampled", 9, True), ("full", 9, True), ("in_batch", 9, True)],
+    + [("sampled", 9, True), ("full", 0, True), ("full", 9, True), ("in_batch", 9, True)],
 )
-def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit):
+def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit, attention):
     """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
     token capacity (rows past the real events, as graph capture uses), and with the history logit (its
     gradient included: it is among the objectives' parameters)."""
     expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
-    got = losses_and_gradients(*jagged_losses(retrieval, history_logit, extra_rows))
+    got = losses_and_gradients(*jagged_losses(retrieval, history_logit, extra_rows, attention))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
@@ -391,13 +428,13 @@ def test_the_sorted_history_items_hold_what_the_table_holds(seed):
 
 
 @pytest.mark.parametrize("retrieval", ["sampled", "in_batch"])
-@pytest.mark.parametrize("layout", ["padded", pytest.param("jagged", marks=INTERPRETER_ONLY)])
+@pytest.mark.parametrize("layout", ["padded", pytest.param("fused", marks=INTERPRETER_ONLY), "grouped"])
 def test_the_history_logit_losses_are_the_same_from_the_sorted_history_items(monkeypatch, retrieval, layout):
     """With the table's size limit at 0 (a catalogue too large for it), the losses and all gradients are
     the table's, in both layouts (the jagged one with rows past the real events)."""
     from lightning_hstu.models import hstu
 
-    losses = padded_losses if layout == "padded" else lambda *a: jagged_losses(*a, extra_rows=9)
+    losses = padded_losses if layout == "padded" else lambda *a: jagged_losses(*a, extra_rows=9, attention=layout)
     expected = losses_and_gradients(*losses(retrieval, True))
     monkeypatch.setattr(hstu, "HISTORY_TABLE_ENTRIES", 0)
     sort, sorts = hstu.HistoryItems._sorted, []

@@ -368,16 +368,26 @@ def test_an_embedding_cache_on_cpu_is_refused_with_the_reason():
         fit_hstu(Cached, epochs=1)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernel in Triton's CPU interpreter, which conftest turns on only without CUDA (with CUDA, "
-    "tests/test_hstu_cuda.py trains the fused attention against the padded one on the GPU)",
+@pytest.mark.parametrize(
+    "attention",
+    [
+        pytest.param(
+            "fused",
+            marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1",
+                reason="the kernel in Triton's CPU interpreter, which conftest turns on only without CUDA (with "
+                "CUDA, tests/test_hstu_cuda.py trains the fused attention against the padded one on the GPU)",
+            ),
+        ),
+        "grouped",
+    ],
 )
 @pytest.mark.parametrize("engine", [True, False])
-def test_the_fused_attention_trains_like_the_padded_reference(engine):
+def test_the_jagged_attentions_train_like_the_padded_reference(engine, attention):
     """HSTURecommender(attention="fused"), the jagged layout and the Triton kernel (its CPU interpreter here;
-    the CUDA default), under the engine and under Lightning's own loop: the same losses, step by step, and
-    the same weights as attention="padded" (fp32; the kernel sums in another order)."""
+    the CUDA default), and attention="grouped" (the CPU default), under the engine and under Lightning's own
+    loop: the same losses, step by step, and the same weights as attention="padded" (fp32; they sum in
+    another order). Dropout is off (``SMALL_MODEL``): the layouts draw their masks over other tokens."""
 
     def fit(attention):
         model, _, recorder = fit_hstu(
@@ -389,21 +399,21 @@ def test_the_fused_attention_trains_like_the_padded_reference(engine):
         )
         return model, recorder.losses
 
-    fused, fused_losses = fit("fused")
+    jagged, jagged_losses = fit(attention)
     padded, padded_losses = fit("padded")
-    assert len(fused_losses) == 4
-    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(padded_losses), rtol=1e-5, atol=1e-6)
-    for (name, got), want in zip(fused.objectives.state_dict().items(), padded.objectives.state_dict().values()):
+    assert len(jagged_losses) == 4
+    torch.testing.assert_close(torch.tensor(jagged_losses), torch.tensor(padded_losses), rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(jagged.objectives.state_dict().items(), padded.objectives.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_an_unknown_attention_or_a_fused_one_without_cuda_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match="unknown attention 'flash'; valid: auto, fused, padded"):
+    with pytest.raises(ValueError, match="unknown attention 'flash'; valid: auto, fused, grouped, padded"):
         HSTURecommender(**SMALL_MODEL, attention="flash")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention='fused' runs a Triton kernel: it needs a CUDA device"):
         fit_hstu(epochs=1, model_kwargs=dict(attention="fused"), limit_train_batches=1, limit_val_batches=0)
-    assert HSTURecommender(**SMALL_MODEL).objectives.fused(torch.device("cpu")) is False  # auto: padded on CPU
+    assert HSTURecommender(**SMALL_MODEL).objectives.layout(torch.device("cpu")) == "grouped"  # auto on a CPU
 
 
 def test_bad_recipe_arguments_are_refused_with_the_valid_choices():

@@ -176,8 +176,9 @@ class LengthBuckets(DistributedSampler):
     the ranks, where a loader's ``drop_last`` drops it: in the middle it shifted every later batch across
     two of these runs (20 of 29 batches on ML-100K's 943 users), and taken from the last pool it would be
     that pool's longest histories every epoch. Padded attention costs batch x longest^2 and the padded
-    losses batch x longest, so batches of like lengths train several times faster on the CPU; each batch
-    still mixes users drawn at random within a pool.
+    losses batch x longest, so batches of like lengths train several times faster with the padded layout
+    (the grouped one, the CPU's default, pads each group of like lengths only); each batch still mixes
+    users drawn at random within a pool.
 
     A ``DistributedSampler``, so that Lightning leaves it in place under a distributed strategy (the
     ``DistributedSamplerWrapper`` it puts around other samplers shuffles their order, the buckets with it).

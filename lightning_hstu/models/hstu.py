@@ -75,10 +75,13 @@ NONFINITE = ("raise", "skip", "stop")
 """``on_nonfinite_loss``: raise and skip agree on every rank's loss before backward (the compute thread waits
 for the forward on the GPU), so a non-finite loss is never applied, then end training or go on; stop checks
 in the watchdog task, after the step was queued without waiting, and ends training with the step applied."""
-ATTENTION = ("auto", "fused", "padded")
+ATTENTION = ("auto", "fused", "grouped", "padded")
 """How the HSTU layers attend: ``fused``, the jagged Triton kernel (no padding anywhere in the dense part);
-``padded``, the plain-PyTorch reference over histories padded to a length; ``auto``, fused on CUDA, padded
-elsewhere."""
+``grouped``, the jagged layout with attention in plain PyTorch over groups of histories of like lengths,
+each padded to its longest (``GroupedTokens``: the reference's arithmetic on fewer tokens; it reads the
+lengths on the host, so it is for the CPU and cannot be captured in a CUDA graph); ``padded``, the
+plain-PyTorch reference over histories padded to the batch's longest; ``auto``, fused on CUDA (padded
+without Triton), grouped elsewhere."""
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
 """Optimizers TorchRec fuses into the embedding backward."""
@@ -296,11 +299,17 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         (``configure_optimizers`` on a GPU)."""
         if self._graphed is None:
             self._check_length("graph capture pads histories to")
-            fused = self.objectives.attention != "padded"  # a few capacities, where padding has one shape
+            device = self.trainer.strategy.root_device
+            layout = self.objectives.layout(device)
+            if layout == "grouped" and device.type == "cuda":  # a CPU never captures: the calls run eagerly
+                raise ValueError(
+                    "attention='grouped' groups the histories by their lengths, read on the host at every step, "
+                    "which a CUDA graph cannot capture: with capture_graphs use attention='fused' or 'padded'"
+                )
             self._graphed = GraphedMethod(
                 self.objectives,
                 "losses",
-                max_graphs=JAGGED_GRAPHS if fused else 2,
+                max_graphs=JAGGED_GRAPHS if layout != "padded" else 2,  # a few capacities; padding has one shape
                 accumulators=self.dense_grads.accumulators(),
             )
         graphs = {"forward": self._graphed}
@@ -793,16 +802,22 @@ class HSTUObjectives(nn.Module):
 
     def fused(self, device: torch.device) -> bool:
         """Whether the fused kernel (jagged layout) runs on ``device``."""
-        if self.attention == "padded":
-            return False
+        return self.layout(device) == "fused"
+
+    def layout(self, device: torch.device) -> str:
+        """The ``attention`` that runs on ``device``: ``auto`` resolved (``ATTENTION``)."""
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if self.attention == "fused" and device.type != "cuda" and not interpreted:
             raise ValueError(
                 f"attention='fused' runs a Triton kernel: it needs a CUDA device, not {device} "
                 f"(TRITON_INTERPRET=1 runs it in Triton's CPU interpreter, slowly, for tests); "
-                f"attention='padded' runs anywhere"
+                f"attention='grouped' and 'padded' run anywhere"
             )
-        return self.attention == "fused" or (device.type == "cuda" and importlib.util.find_spec("triton") is not None)
+        if self.attention != "auto":
+            return self.attention
+        if device.type != "cuda":
+            return "grouped"
+        return "fused" if importlib.util.find_spec("triton") is not None else "padded"
 
     def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed retrieval and (weighted) ranking losses over every position of every history."""
@@ -822,7 +837,7 @@ class HSTUObjectives(nn.Module):
             self._negatives(sampled_ids, looked_up, len(lengths)) if training else (looked_up[:0], sampled_ids[:0])
         )
         events, user = items + embeddings["action"].values(), embeddings["user"].values()
-        if self.fused(items.device):
+        if self.layout(items.device) != "padded":
             return JaggedInputs(
                 events=events,
                 targets=items,
@@ -1070,7 +1085,10 @@ class HSTUObjectives(nn.Module):
         """Jagged: hidden states [C + B, D] over every history's (user token, events), and where they are."""
         layout = JaggedLayout(lengths, len(events))
         return self.stack.jagged(
-            layout.tokens(user, events), layout.token_offsets, layout.tokens(layout.user_times(times), times)
+            layout.tokens(user, events),
+            layout.token_offsets,
+            layout.tokens(layout.user_times(times), times),
+            grouped=self.layout(events.device) == "grouped",
         ), layout
 
     def last_states(self, batch: HSTUBatch, embeddings) -> torch.Tensor:

@@ -5,15 +5,17 @@ Per layer: U, V, Q, K = split(SiLU(f1(Norm(x)))); A = SiLU(Q K^T + rab(position,
 mask, n the sequence's length; y = x + f2(Norm(A V) * U).
 
 Two layouts of the same computation. Padded (``HSTUStack.forward``): sequences padded to a length with a
-mask, attention in plain PyTorch over ``[B, heads, L, L]`` scores; the reference, and the CPU path.
-Jagged (``HSTUStack.jagged``): the tokens of every sequence back to back, ``[N, D]``, with offsets; the
-token-wise parts run on the real tokens only and attention is the fused Triton kernel
-(``kernels.hstu_attention``), which never makes an ``L x L`` tensor; on CUDA the token-wise parts of each
+mask, attention in plain PyTorch over ``[B, heads, L, L]`` scores; the reference. Jagged
+(``HSTUStack.jagged``): the tokens of every sequence back to back, ``[N, D]``, with offsets; the token-wise
+parts run on the real tokens only, and attention is either the fused Triton kernel
+(``kernels.hstu_attention``), which never makes an ``L x L`` tensor, or, on the CPU, the padded reference's
+attention over groups of sequences of like lengths (``GroupedTokens``). On CUDA the token-wise parts of each
 layer can be compiled by ``torch.compile`` (``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU,
 gating and residual add into one or two kernels where eager PyTorch runs one kernel per op.
 """
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -134,8 +136,8 @@ class HSTULayer(nn.Module):
         self.f2 = nn.Linear(config.num_heads * config.hidden_dim, config.embedding_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, tokens: "PaddedTokens | JaggedTokens") -> torch.Tensor:
-        """``x``: ``[B, L, D]`` with ``PaddedTokens`` or ``[N, D]`` with ``JaggedTokens``."""
+    def forward(self, x: torch.Tensor, tokens: "PaddedTokens | JaggedTokens | GroupedTokens") -> torch.Tensor:
+        """``x``: ``[B, L, D]`` with ``PaddedTokens`` or ``[N, D]`` with ``JaggedTokens`` or ``GroupedTokens``."""
         h, a, d = self.heads, self.attention_dim, self.hidden_dim
         compiled = getattr(tokens, "compiled", False)
         inputs, output = _compiled_token_wise() if compiled else (_layer_inputs, _layer_output)
@@ -233,6 +235,82 @@ class JaggedTokens(NamedTuple):
         return y
 
 
+GROUP_OVERHEAD = 25_000
+"""``GroupedTokens``' price of one more group, in (query, key) pairs of attention: the few dozen PyTorch calls
+a group adds per layer, forward and backward, cost about what 25,000 pairs do (a 2-core CPU at ML-100K's
+widths, 2026-12-04, ``BENCHMARKS.md``)."""
+
+
+def length_groups(lengths: list[int], overhead: int = GROUP_OVERHEAD) -> list[list[int]]:
+    """The sequences (indices into ``lengths``), longest first, in groups of like lengths: the partition of
+    the sorted lengths into runs that costs least, a run costing its size times its longest length squared
+    (the pairs its padded attention computes) plus ``overhead``. Exact, by dynamic programming over the
+    sorted lengths (a batch's few dozen: well under a millisecond)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):  # best[end]: the first ``end`` sequences grouped
+        for start in range(end):
+            cost = best[start] + (end - start) * lengths[order[start]] ** 2 + overhead
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end] : end])
+        end = cut[end]
+    return groups[::-1]
+
+
+class GroupedTokens(NamedTuple):
+    """Sequences back to back, as ``JaggedTokens``, with attention in plain PyTorch: the sequences in groups
+    of like lengths (``length_groups``), each group padded to its longest and attended as ``PaddedTokens``
+    does. The token-wise parts run on the real tokens only, and attention computes the pairs of each
+    group's length rather than the batch's longest: on ML-100K's batches 45% of the tokens and 36% of the
+    pairs that padding the whole batch computes. The groups are read from the offsets on the host (for the
+    CPU, where that costs nothing; on a GPU it would wait for the device)."""
+
+    groups: tuple[tuple[torch.Tensor, PaddedTokens], ...]
+    """Per group: where its padded ``[b, L]`` tokens are among the rows (``len(rows)``, one past the last, at
+    padding), and its ``PaddedTokens``."""
+    scatter: torch.Tensor
+    """[N] where each row's attention output is among the groups' padded outputs, flattened one after the
+    other (their total, one past the last: a zero row, for rows that belong to no sequence)."""
+
+    @classmethod
+    def of(cls, offsets: torch.Tensor, timestamps: torch.Tensor, bias: "RelativeBias") -> "GroupedTokens":
+        rows, device = len(timestamps), timestamps.device
+        starts, lengths = offsets[:-1].tolist(), offsets.diff().tolist()
+        times = F.pad(timestamps, (0, 1))  # row ``rows``: the padding's time (masked out)
+        groups, first_output, base = [], [0] * len(lengths), 0
+        for members in length_groups(lengths):
+            length = lengths[members[0]]
+            steps = torch.arange(length, device=device)
+            mask = steps < torch.tensor([lengths[s] for s in members], device=device)[:, None]
+            gather = torch.where(mask, torch.tensor([starts[s] for s in members], device=device)[:, None] + steps, rows)
+            groups.append((gather, PaddedTokens(mask, bias.indices(times[gather]))))
+            for slot, s in enumerate(members):
+                first_output[s] = base + slot * length
+            base += len(members) * length
+        row = torch.arange(rows, device=device)
+        sequence = torch.searchsorted(offsets[1:], row, right=True)  # ``len(lengths)`` past the real rows
+        inside = torch.tensor(first_output + [base], device=device)[sequence]
+        scatter = torch.where(sequence < len(lengths), inside + row - F.pad(offsets, (0, 1))[sequence], base)
+        return cls(tuple(groups), scatter)
+
+    def attention(
+        self, uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, bias: RelativeBias
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``PaddedTokens.attention``, group by group, on ``[N, ...]`` rows."""
+        rows, width = F.pad(uvqk, (0, 0, 0, 1)), heads * hidden_dim  # row N, the padding's: zeros
+        flat = [uvqk.new_zeros(1, width)]  # the rows of no sequence
+        for gather, tokens in self.groups:  # index_select: its backward adds the rows, as the gathers do
+            padded = rows.index_select(0, gather.flatten()).view(*gather.shape, -1)
+            flat.insert(-1, tokens.attention(padded, heads, attention_dim, hidden_dim, bias)[1].flatten(0, 1))
+        return uvqk[:, :width], torch.cat(flat).index_select(0, self.scatter)
+
+    def keep(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
 class HSTUStack(nn.Module):
     def __init__(self, config: HSTUConfig):
         super().__init__()
@@ -251,14 +329,20 @@ class HSTUStack(nn.Module):
         positions = torch.arange(x.shape[1], device=x.device)[None]
         return self._run(tokens.keep(self._inputs(x, positions)), tokens)
 
-    def jagged(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+    def jagged(
+        self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, grouped: bool = False
+    ) -> torch.Tensor:
         """Jagged: x ``[N, D]``, ``offsets`` ``[B + 1]``, timestamps ``[N]``; sequences of at most
-        ``max_seq_len`` tokens."""
+        ``max_seq_len`` tokens. Attention by the fused kernel, or with ``grouped`` in plain PyTorch
+        (``GroupedTokens``)."""
         rows = torch.arange(len(x), device=x.device)
         sequence = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=len(offsets) - 2)
         positions = (rows - offsets[sequence]).clamp(0, self.max_seq_len - 1)  # rows past the real ones: any
-        compiled = self.config.compile_layers and x.is_cuda
-        return self._run(self._inputs(x, positions), JaggedTokens(offsets, timestamps, self.max_seq_len, compiled))
+        if grouped:
+            tokens = GroupedTokens.of(offsets, timestamps, self.layers[0].bias) if len(self.layers) else None
+        else:
+            tokens = JaggedTokens(offsets, timestamps, self.max_seq_len, self.config.compile_layers and x.is_cuda)
+        return self._run(self._inputs(x, positions), tokens)
 
     def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout."""
@@ -268,7 +352,7 @@ class HSTUStack(nn.Module):
             x = x + self.position(positions)
         return self.input_dropout(x)
 
-    def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens | GroupedTokens | None) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, tokens)
         return self.norm(x)
