@@ -45,7 +45,7 @@ POINTERS = {
     "time_table": "*fp32",
     "d_position": "*fp32",
     "d_time": "*fp32",
-    "ds_rows": "*i32",
+    "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows
 }
 KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
 STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
@@ -112,7 +112,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         TIME_BLOCK=64,
         STORE_DS=store,
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
-        **({} if store else {"DS": None, "ds_rows": None}),  # not stored: the kernel takes None for them
+        **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
         **{"BIAS_GRADS": configs["bias_grads"] == kind, **config},  # --config may name BIAS_GRADS
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}

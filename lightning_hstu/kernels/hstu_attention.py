@@ -22,12 +22,14 @@ Backward in two kernels, without atomics on the large gradients (so dq, dk and d
 one program per block of keys walks the queries after it and accumulates dk and dv; one program per block
 of queries walks the keys before it and accumulates dq and the bias gradients (in the dk/dv kernel, whose
 two accumulators already fill the registers, they spilled). Both recompute the scores, unless the launch
-settings store the score gradients (``store_ds``, heads wider than 128 in bf16): then the dk/dv kernel also
+settings store the score gradients (``store_ds``, every head width in bf16): then the dk/dv kernel also
 writes each tile's score gradients, in q's dtype and by TMA, and the dq kernel (``_hstu_bwd_dq_stored``)
 reads them back, one matrix product per tile instead of three. They go to a buffer of one call, per head
 each sequence's keys (rounded up to the largest tile side) by ``max_len`` columns: about heads x tokens x
 max_len elements (0.76 GB at the seed benchmark's batch of 22,070 tokens), written and read only where a
-tile is causal. Not a [B, heads, L, L] tensor, but one that grows as tokens x max_len.
+tile is causal; a sequence's rows start at its first token's row plus a tile side per sequence before it, so
+the kernels place them from the offsets alone. Not a [B, heads, L, L] tensor, but one that grows as
+tokens x max_len.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
@@ -37,7 +39,7 @@ also sum the positions, that sum is taken from the position sums' two vectors ra
 sum per bucket of the tile's range (in the dq kernel along the tile's axis that stays inside a warp, added
 across warps once per eight buckets). The position sums go to the table's gradient by atomic adds per tile; the
 time sums stay in the program's registers (one per bucket) and are added once at its end. Where the score
-gradients are stored and the launch settings say ``bands`` (heads of 256), the position sums leave the dq
+gradients are stored and the launch settings say ``bands`` (bf16), the position sums leave the dq
 kernel for a kernel of their own, ``_hstu_bwd_position_bands``: every tile of one band (key block kb, query
 block kb + band) has the same distance at the same place, so it adds a band's stored tiles elementwise and
 rotates and sums the diagonals once per band rather than once per tile. The atomic adds'
@@ -666,7 +668,7 @@ def _hstu_bwd_dkdv(
     dK,
     dV,
     DS,
-    ds_rows,
+    ds_side,
     ds_head_rows,
     d_position,
     d_time,
@@ -723,7 +725,7 @@ def _hstu_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)  # the time table's gradient from this program's tiles
-    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, STORE_DS)
+    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, STORE_DS)
     low = (first // BLOCK_M) * BLOCK_M
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     for row in range(low, tl.minimum(unmasked, n), BLOCK_M):
@@ -1058,11 +1060,11 @@ def _hstu_bwd_dq(
 
 
 @triton.jit
-def _ds_row(ds_rows, ds_head_rows, seq, head, STORE_DS: tl.constexpr):
-    """The first row of a sequence's and head's keys in the stored score gradients (``ds_rows[seq]`` within
-    each head's ``ds_head_rows`` rows)."""
+def _ds_row(ds_side, ds_head_rows, start, seq, head, STORE_DS: tl.constexpr):
+    """The first row of a sequence's and head's keys in the stored score gradients: ``start + seq x ds_side``
+    within each head's ``ds_head_rows`` rows (``_ds_rows``)."""
     if STORE_DS:
-        return head * ds_head_rows + tl.load(ds_rows + seq)
+        return head * ds_head_rows + (start + seq * ds_side).to(tl.int32)
     else:
         return 0
 
@@ -1155,7 +1157,7 @@ def _dq_stored_tile(
 @triton.jit
 def _hstu_bwd_dq_stored(
     DS,
-    ds_rows,
+    ds_side,
     ds_head_rows,
     K,
     dQ,
@@ -1193,7 +1195,7 @@ def _hstu_bwd_dq_stored(
     first = block * BLOCK_M
     if first >= n:
         return
-    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, True)
+    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, True)
     ts = timestamps + start
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -1319,7 +1321,7 @@ def _hstu_bwd_dq_stored(
 @triton.jit
 def _hstu_bwd_position_bands(
     DS,
-    ds_rows,
+    ds_side,
     ds_head_rows,
     d_position,
     offsets,
@@ -1344,7 +1346,7 @@ def _hstu_bwd_position_bands(
     low = chunk * CHUNK * BLOCK_N
     if first + low >= stored:
         return
-    ds_row = _ds_row(ds_rows, ds_head_rows, seq, head, True)
+    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, True)
     keys = tl.arange(0, BLOCK_N)[:, None]
     queries = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -1361,8 +1363,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     of square tiles (``bands``: ``_hstu_bwd_position_bands``'s settings, ``CHUNK`` tiles of a band per
     program; absent or None: in the dq kernel). On CUDA, the fastest of the candidates timed on an H200 for
     heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
-    BENCHMARKS.md); smaller tiles for fp32, whose tiles take twice the shared memory. Small tiles on the CPU
-    (Triton's interpreter: tests only)."""
+    BENCHMARKS.md): both store the score gradients and sum the positions by bands; smaller tiles for fp32,
+    whose tiles take twice the shared memory, and the scores recomputed. Small tiles on the CPU (Triton's
+    interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
@@ -1393,8 +1396,10 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     return {
         "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168),  # 3 programs per SM
         "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-        "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
         "bias_grads": "dq",
+        "store_ds": True,  # the backward's attention kernels 20-27% faster than recomputing the scores (BENCHMARKS.md)
+        "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),
     }
 
 
@@ -1467,14 +1472,13 @@ def _tile_sides(configs: dict[str, dict]) -> list[int]:
 def _ds_rows(offsets: torch.Tensor, tokens: int, heads: int, max_len: int, side: int, dtype) -> tuple:
     """Memory for the score gradients the dk/dv kernel stores, [heads x rows, columns]: per head, each
     sequence's keys (``min(n, max_len)`` of them, rounded up to ``side``) are rows, its queries columns
-    (``max_len`` rounded up to ``side``); and each sequence's first row (made on the device: no host sync) and
-    the rows per head. Sized without reading the lengths: the rounded lengths sum to at most ``tokens`` plus
-    ``side`` per sequence."""
-    sides = ((offsets[1:] - offsets[:-1]).clamp(0, max_len) + side - 1) // side * side
-    rows = torch.nn.functional.pad(torch.cumsum(sides, 0), (1, 0))[:-1].int()
+    (``max_len`` rounded up to ``side``); and the two numbers that place them, ``side`` and the rows per head.
+    Sequence s's keys start at row ``offsets[s] + s x side`` (``_ds_row``): its rounded keys end before
+    ``offsets[s + 1] + (s + 1) x side``, where the next one's start, so each head takes ``tokens`` plus
+    ``side`` rows per sequence. Nothing is computed from the lengths: no kernel launch, no host sync."""
     head_rows = tokens + (len(offsets) - 1) * side
     columns = triton.cdiv(max(max_len, 1), side) * side
-    return torch.empty(max(heads * head_rows, 1), columns, dtype=dtype, device=offsets.device), rows, head_rows
+    return torch.empty(max(heads * head_rows, 1), columns, dtype=dtype, device=offsets.device), side, head_rows
 
 
 def _ds_descriptor(ds: torch.Tensor, config: dict) -> TensorDescriptor:
@@ -1562,11 +1566,11 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     in_dq = configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
     store = bool(configs.get("store_ds"))
     if store:
-        ds, ds_rows, ds_head_rows = _ds_rows(
+        ds, ds_side, ds_head_rows = _ds_rows(
             offsets, q.shape[0], q.shape[1], max_len, max(_tile_sides(configs)), q.dtype
         )
     else:
-        ds_rows, ds_head_rows = None, 0
+        ds_side, ds_head_rows = 0, 0
     config = configs["dkdv"]
     _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1])](
         _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
@@ -1576,7 +1580,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         dk,
         dv,
         _ds_descriptor(ds, config) if store else None,
-        ds_rows,
+        ds_side,
         ds_head_rows,
         d_position,
         d_time,
@@ -1593,7 +1597,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     if store:
         _hstu_bwd_dq_stored[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
             _ds_descriptor(ds, config),
-            ds_rows,
+            ds_side,
             ds_head_rows,
             _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
             dq,
@@ -1620,7 +1624,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             chunks = triton.cdiv(bands, config["CHUNK"])
             _hstu_bwd_position_bands[(bands * chunks, len(offsets) - 1, q.shape[1])](
                 _ds_descriptor(ds, config),
-                ds_rows,
+                ds_side,
                 ds_head_rows,
                 d_position,
                 offsets,
