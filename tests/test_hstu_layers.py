@@ -160,7 +160,8 @@ def test_the_jagged_stack_computes_what_the_padded_stack_does(attention, lengths
 
 def test_the_length_groups_cost_least_and_cover_every_history_once():
     """Every partition of the sorted lengths into runs costs at least what ``length_groups`` returns (checked
-    against all 2^(n-1) of them); each history is in exactly one group, the longest first in each."""
+    against all 2^(n-1) of them); each history is in exactly one group, the longest first in each, also in a
+    batch of thousands, where only ``cuts`` places are tried."""
     import itertools
 
     from lightning_hstu.models.hstu_layers import length_groups
@@ -184,7 +185,13 @@ def test_the_length_groups_cost_least_and_cover_every_history_once():
             assert cost(groups, lengths, overhead) == least
     assert length_groups([7, 3, 7], 10**9) == [[0, 2, 1]]  # one group where a second costs more than padding
     assert length_groups([7, 3, 7], 1) == [[0, 2], [1]]
+    assert length_groups([5, 5, 5], 0) == [[0, 1, 2]]  # equal lengths never split
     assert length_groups([], 0) == []
+    many = torch.randint(1, 200, (4096,), generator=gen).tolist()  # more places to cut than ``cuts``
+    for groups in (length_groups(many), length_groups(many, 0, cuts=3)):
+        assert sorted(i for g in groups for i in g) == list(range(len(many)))
+        assert all(many[g[0]] == max(many[i] for i in g) for g in groups)
+    assert len(length_groups(many, 0, cuts=3)) <= 4
 
 
 ITEMS = 12

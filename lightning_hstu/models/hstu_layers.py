@@ -241,21 +241,30 @@ a group adds per layer, forward and backward, cost about what 25,000 pairs do (a
 widths, 2026-12-04, ``BENCHMARKS.md``)."""
 
 
-def length_groups(lengths: list[int], overhead: int = GROUP_OVERHEAD) -> list[list[int]]:
+def length_groups(lengths: list[int], overhead: int = GROUP_OVERHEAD, cuts: int = 64) -> list[list[int]]:
     """The sequences (indices into ``lengths``), longest first, in groups of like lengths: the partition of
     the sorted lengths into runs that costs least, a run costing its size times its longest length squared
-    (the pairs its padded attention computes) plus ``overhead``. Exact, by dynamic programming over the
-    sorted lengths (a batch's few dozen: well under a millisecond)."""
+    (the pairs its padded attention computes) plus ``overhead``, by dynamic programming over the places
+    where the sorted lengths change (a run of equal lengths is never worth splitting). Exact up to ``cuts``
+    such places (a batch of a few dozen: well under a millisecond); beyond, over ``cuts`` of them spread
+    evenly, so that a batch of thousands costs no more."""
+    if not lengths:
+        return []
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):  # best[end]: the first ``end`` sequences grouped
+    changes = [i for i in range(1, len(order)) if lengths[order[i]] != lengths[order[i - 1]]]
+    if len(changes) > cuts:
+        changes = [changes[k * len(changes) // cuts] for k in range(cuts)]
+    points = [0, *changes, len(order)]
+    best, cut = [0] + [math.inf] * (len(points) - 1), [0] * len(points)
+    for end in range(1, len(points)):  # best[end]: the sequences before points[end] grouped
         for start in range(end):
-            cost = best[start] + (end - start) * lengths[order[start]] ** 2 + overhead
+            size = points[end] - points[start]
+            cost = best[start] + size * lengths[order[points[start]]] ** 2 + overhead
             if cost < best[end]:
                 best[end], cut[end] = cost, start
-    groups, end = [], len(order)
+    groups, end = [], len(points) - 1
     while end:
-        groups.append(order[cut[end] : end])
+        groups.append(order[points[cut[end]] : points[end]])
         end = cut[end]
     return groups[::-1]
 
@@ -277,6 +286,8 @@ class GroupedTokens(NamedTuple):
 
     @classmethod
     def of(cls, offsets: torch.Tensor, timestamps: torch.Tensor, bias: "RelativeBias") -> "GroupedTokens":
+        """The groups of a batch's sequences (``offsets``, read on the host) and their relative indices
+        (``bias.indices``: any layer's, they are alike)."""
         rows, device = len(timestamps), timestamps.device
         starts, lengths = offsets[:-1].tolist(), offsets.diff().tolist()
         times = F.pad(timestamps, (0, 1))  # row ``rows``: the padding's time (masked out)
