@@ -601,8 +601,8 @@ def main():
         "--attention",
         nargs="+",
         default=["auto"],
-        choices=["auto", "fused", "padded"],
-        help="auto: fused on CUDA, padded elsewhere",
+        choices=["auto", "fused", "grouped", "padded"],
+        help="auto: fused on CUDA, grouped elsewhere (grouped is not captured: no graphs with it on CUDA)",
     )
     parser.add_argument(
         "--compile-layers",
