@@ -132,15 +132,32 @@ INTERPRETER_ONLY = pytest.mark.skipif(
 
 JAGGED_ATTENTIONS = [pytest.param("fused", marks=INTERPRETER_ONLY), "grouped"]
 """The jagged layout's two attentions: the fused kernel (Triton's interpreter on the CPU) and the padded
-reference's over groups of like lengths."""
+reference's over groups of like lengths (``apart``: a group per length)."""
 
 
-@pytest.mark.parametrize("attention", JAGGED_ATTENTIONS)
+def apart(monkeypatch) -> list[int]:
+    """Groups the grouped attention by length, each length a group of its own (no price for a group: at the
+    tests' short lengths the default puts every history in one); returns the group counts it made."""
+    from lightning_hstu.models import hstu_layers
+
+    made, grouping = [], hstu_layers.length_groups
+
+    def each_length(lengths):
+        groups = grouping(lengths, overhead=0)
+        made.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(hstu_layers, "length_groups", each_length)
+    return made
+
+
+@pytest.mark.parametrize("attention", [*JAGGED_ATTENTIONS, "grouped apart"])
 @pytest.mark.parametrize("lengths", [[1, 32, 9, 20], [5, 5, 5], [32, 31, 1, 1, 2, 30, 17, 16, 1]])
-def test_the_jagged_stack_computes_what_the_padded_stack_does(attention, lengths):
+def test_the_jagged_stack_computes_what_the_padded_stack_does(monkeypatch, attention, lengths):
     """The same hidden states and gradients as the padded stack, with rows of one token and of the longest
-    length; grouped: groups of one and of several histories, of equal and unequal lengths, in an order
-    other than the batch's."""
+    length; grouped: in one group, and in groups of one and of several histories, of equal and unequal
+    lengths, in an order other than the batch's."""
+    made = apart(monkeypatch) if attention == "grouped apart" else None
     model = stack()
     values, times, lengths = jagged_histories(lengths)
     x, mask = to_padded(values, lengths)
@@ -151,11 +168,13 @@ def test_the_jagged_stack_computes_what_the_padded_stack_does(attention, lengths
     (padded * weights).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    jagged = model.jagged(values, offsets, times, grouped=attention == "grouped")
+    jagged = model.jagged(values, offsets, times, grouped=attention != "fused")
     (jagged * weights).sum().backward()
     torch.testing.assert_close(jagged, padded, rtol=1e-5, atol=1e-5)
     for got, want in zip((p.grad for p in model.parameters()), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if made is not None:
+        assert made == [len(set(lengths.tolist()))]
 
 
 def test_the_length_groups_cost_least_and_cover_every_history_once():
@@ -287,14 +306,16 @@ def jagged_losses(retrieval, history_logit=False, extra_rows=0, attention="fused
     [("sampled", 0, False), ("sampled", 9, False), ("full", 9, False), ("in_batch", 9, False)]
     + [("sampled", 9, True), ("full", 0, True), ("full", 9, True), ("in_batch", 9, True)],
 )
-def test_the_jagged_losses_equal_the_padded_losses(retrieval, extra_rows, history_logit, attention):
+def test_the_jagged_losses_equal_the_padded_losses(monkeypatch, retrieval, extra_rows, history_logit, attention):
     """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
     token capacity (rows past the real events, as graph capture uses), and with the history logit (its
-    gradient included: it is among the objectives' parameters)."""
+    gradient included: it is among the objectives' parameters); grouped, a group per length."""
+    made = apart(monkeypatch)
     expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
     got = losses_and_gradients(*jagged_losses(retrieval, history_logit, extra_rows, attention))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    assert made == ([5] if attention == "grouped" else [])  # the five histories' lengths all differ
 
 
 def retrieval_by_hand(objectives, inputs, negatives_of):

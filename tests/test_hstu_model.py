@@ -383,11 +383,16 @@ def test_an_embedding_cache_on_cpu_is_refused_with_the_reason():
     ],
 )
 @pytest.mark.parametrize("engine", [True, False])
-def test_the_jagged_attentions_train_like_the_padded_reference(engine, attention):
+def test_the_jagged_attentions_train_like_the_padded_reference(monkeypatch, engine, attention):
     """HSTURecommender(attention="fused"), the jagged layout and the Triton kernel (its CPU interpreter here;
-    the CUDA default), and attention="grouped" (the CPU default), under the engine and under Lightning's own
-    loop: the same losses, step by step, and the same weights as attention="padded" (fp32; they sum in
-    another order). Dropout is off (``SMALL_MODEL``): the layouts draw their masks over other tokens."""
+    the CUDA default), and attention="grouped" (the CPU default; here a group per length), under the engine
+    and under Lightning's own loop: the same losses, step by step, and the same weights as
+    attention="padded" (fp32; they sum in another order). Dropout is off (``SMALL_MODEL``): the layouts draw
+    their masks over other tokens."""
+    from lightning_hstu.models import hstu_layers
+
+    grouping = hstu_layers.length_groups
+    monkeypatch.setattr(hstu_layers, "length_groups", lambda lengths: grouping(lengths, overhead=0))
 
     def fit(attention):
         model, _, recorder = fit_hstu(
