@@ -19,6 +19,22 @@ GPU_MODEL = dict(
 )
 
 
+def lengths_apart(monkeypatch) -> list[int]:
+    """Has the grouped attention make a group of each length (no price for a group: at the tests' short
+    lengths the default puts every history in one); returns the group counts it makes."""
+    from lightning_hstu.models import hstu_layers
+
+    made, grouping = [], hstu_layers.length_groups
+
+    def each_length(lengths):
+        groups = grouping(lengths, overhead=0)
+        made.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(hstu_layers, "length_groups", each_length)
+    return made
+
+
 def small_data(**kwargs):
     defaults = dict(num_users=96, num_items=200, max_seq_len=32, batch_size=8, negatives=4)
     return SyntheticHistories(**{**defaults, **kwargs})

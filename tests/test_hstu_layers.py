@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from small_hstu import lengths_apart
+
 from lightning_hstu.models.hstu_layers import HSTUConfig, HSTUStack, Padding, to_padded
 
 CONFIG = HSTUConfig(
@@ -132,23 +134,7 @@ INTERPRETER_ONLY = pytest.mark.skipif(
 
 JAGGED_ATTENTIONS = [pytest.param("fused", marks=INTERPRETER_ONLY), "grouped"]
 """The jagged layout's two attentions: the fused kernel (Triton's interpreter on the CPU) and the padded
-reference's over groups of like lengths (``apart``: a group per length)."""
-
-
-def apart(monkeypatch) -> list[int]:
-    """Groups the grouped attention by length, each length a group of its own (no price for a group: at the
-    tests' short lengths the default puts every history in one); returns the group counts it made."""
-    from lightning_hstu.models import hstu_layers
-
-    made, grouping = [], hstu_layers.length_groups
-
-    def each_length(lengths):
-        groups = grouping(lengths, overhead=0)
-        made.append(len(groups))
-        return groups
-
-    monkeypatch.setattr(hstu_layers, "length_groups", each_length)
-    return made
+reference's over groups of like lengths (``lengths_apart``: a group per length)."""
 
 
 @pytest.mark.parametrize("attention", [*JAGGED_ATTENTIONS, "grouped apart"])
@@ -157,7 +143,7 @@ def test_the_jagged_stack_computes_what_the_padded_stack_does(monkeypatch, atten
     """The same hidden states and gradients as the padded stack, with rows of one token and of the longest
     length; grouped: in one group, and in groups of one and of several histories, of equal and unequal
     lengths, in an order other than the batch's."""
-    made = apart(monkeypatch) if attention == "grouped apart" else None
+    made = lengths_apart(monkeypatch) if attention == "grouped apart" else None
     model = stack()
     values, times, lengths = jagged_histories(lengths)
     x, mask = to_padded(values, lengths)
@@ -310,7 +296,7 @@ def test_the_jagged_losses_equal_the_padded_losses(monkeypatch, retrieval, extra
     """Both layouts of HSTUObjectives.losses on the same histories, for each retrieval loss, also with a
     token capacity (rows past the real events, as graph capture uses), and with the history logit (its
     gradient included: it is among the objectives' parameters); grouped, a group per length."""
-    made = apart(monkeypatch)
+    made = lengths_apart(monkeypatch)
     expected = losses_and_gradients(*padded_losses(retrieval, history_logit))
     got = losses_and_gradients(*jagged_losses(retrieval, history_logit, extra_rows, attention))
     for g, e in zip(got, expected):

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from conftest import engine_threads
 from lightning_runs import QUIET, RecordingLogger
 from ranks import launch_env, run_on_ranks
-from small_hstu import SMALL_MODEL, small_data
+from small_hstu import SMALL_MODEL, lengths_apart, small_data
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
@@ -389,10 +389,7 @@ def test_the_jagged_attentions_train_like_the_padded_reference(monkeypatch, engi
     and under Lightning's own loop: the same losses, step by step, and the same weights as
     attention="padded" (fp32; they sum in another order). Dropout is off (``SMALL_MODEL``): the layouts draw
     their masks over other tokens."""
-    from lightning_hstu.models import hstu_layers
-
-    grouping = hstu_layers.length_groups
-    monkeypatch.setattr(hstu_layers, "length_groups", lambda lengths: grouping(lengths, overhead=0))
+    lengths_apart(monkeypatch)
 
     def fit(attention):
         model, _, recorder = fit_hstu(

@@ -1472,13 +1472,13 @@ def _tile_sides(configs: dict[str, dict]) -> list[int]:
 def _ds_rows(offsets: torch.Tensor, tokens: int, heads: int, max_len: int, side: int, dtype) -> tuple:
     """Memory for the score gradients the dk/dv kernel stores, [heads x rows, columns]: per head, each
     sequence's keys (``min(n, max_len)`` of them, rounded up to ``side``) are rows, its queries columns
-    (``max_len`` rounded up to ``side``); and the two numbers that place them, ``side`` and the rows per head.
-    Sequence s's keys start at row ``offsets[s] + s x side`` (``_ds_row``): its rounded keys end before
-    ``offsets[s + 1] + (s + 1) x side``, where the next one's start, so each head takes ``tokens`` plus
-    ``side`` rows per sequence. Nothing is computed from the lengths: no kernel launch, no host sync."""
+    (``max_len`` rounded up to ``side``); and the rows per head. Sequence s's keys start at row
+    ``offsets[s] + s x side`` (``_ds_row``): its rounded keys end before ``offsets[s + 1] + (s + 1) x side``,
+    where the next one's start, so each head takes ``tokens`` plus ``side`` rows per sequence. Nothing is
+    computed from the lengths: no kernel launch, no host sync."""
     head_rows = tokens + (len(offsets) - 1) * side
     columns = triton.cdiv(max(max_len, 1), side) * side
-    return torch.empty(max(heads * head_rows, 1), columns, dtype=dtype, device=offsets.device), side, head_rows
+    return torch.empty(max(heads * head_rows, 1), columns, dtype=dtype, device=offsets.device), head_rows
 
 
 def _ds_descriptor(ds: torch.Tensor, config: dict) -> TensorDescriptor:
@@ -1565,12 +1565,11 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     )
     in_dq = configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
     store = bool(configs.get("store_ds"))
+    ds_side = max(_tile_sides(configs)) if store else 0
     if store:
-        ds, ds_side, ds_head_rows = _ds_rows(
-            offsets, q.shape[0], q.shape[1], max_len, max(_tile_sides(configs)), q.dtype
-        )
+        ds, ds_head_rows = _ds_rows(offsets, q.shape[0], q.shape[1], max_len, ds_side, q.dtype)
     else:
-        ds_side, ds_head_rows = 0, 0
+        ds_head_rows = 0
     config = configs["dkdv"]
     _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1])](
         _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),

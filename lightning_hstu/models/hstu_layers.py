@@ -282,7 +282,8 @@ class GroupedTokens(NamedTuple):
     padding), and its ``PaddedTokens``."""
     scatter: torch.Tensor
     """[N] where each row's attention output is among the groups' padded outputs, flattened one after the
-    other (their total, one past the last: a zero row, for rows that belong to no sequence)."""
+    other (their total, one past the last: a zero row, for rows that belong to no sequence): the inverse
+    of the groups' gathers."""
 
     @classmethod
     def of(cls, offsets: torch.Tensor, timestamps: torch.Tensor, bias: "RelativeBias") -> "GroupedTokens":
@@ -291,20 +292,17 @@ class GroupedTokens(NamedTuple):
         rows, device = len(timestamps), timestamps.device
         starts, lengths = offsets[:-1].tolist(), offsets.diff().tolist()
         times = F.pad(timestamps, (0, 1))  # row ``rows``: the padding's time (masked out)
-        groups, first_output, base = [], [0] * len(lengths), 0
+        groups, gathered = [], [torch.zeros(0, dtype=torch.long, device=device)]
         for members in length_groups(lengths):
-            length = lengths[members[0]]
-            steps = torch.arange(length, device=device)
+            steps = torch.arange(lengths[members[0]], device=device)
             mask = steps < torch.tensor([lengths[s] for s in members], device=device)[:, None]
             gather = torch.where(mask, torch.tensor([starts[s] for s in members], device=device)[:, None] + steps, rows)
             groups.append((gather, PaddedTokens(mask, bias.indices(times[gather]))))
-            for slot, s in enumerate(members):
-                first_output[s] = base + slot * length
-            base += len(members) * length
-        row = torch.arange(rows, device=device)
-        sequence = torch.searchsorted(offsets[1:], row, right=True)  # ``len(lengths)`` past the real rows
-        inside = torch.tensor(first_output + [base], device=device)[sequence]
-        scatter = torch.where(sequence < len(lengths), inside + row - F.pad(offsets, (0, 1))[sequence], base)
+            gathered.append(gather.flatten())
+        gathered = torch.cat(gathered)
+        scatter = torch.full((rows,), len(gathered), dtype=torch.long, device=device)  # no sequence's: the zero row
+        real = gathered < rows
+        scatter[gathered[real]] = torch.arange(len(gathered), device=device)[real]
         return cls(tuple(groups), scatter)
 
     def attention(
@@ -312,10 +310,11 @@ class GroupedTokens(NamedTuple):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``PaddedTokens.attention``, group by group, on ``[N, ...]`` rows."""
         rows, width = F.pad(uvqk, (0, 0, 0, 1)), heads * hidden_dim  # row N, the padding's: zeros
-        flat = [uvqk.new_zeros(1, width)]  # the rows of no sequence
+        flat = []
         for gather, tokens in self.groups:  # index_select: its backward adds the rows, as the gathers do
             padded = rows.index_select(0, gather.flatten()).view(*gather.shape, -1)
-            flat.insert(-1, tokens.attention(padded, heads, attention_dim, hidden_dim, bias)[1].flatten(0, 1))
+            flat.append(tokens.attention(padded, heads, attention_dim, hidden_dim, bias)[1].flatten(0, 1))
+        flat.append(uvqk.new_zeros(1, width))  # the rows of no sequence
         return uvqk[:, :width], torch.cat(flat).index_select(0, self.scatter)
 
     def keep(self, y: torch.Tensor) -> torch.Tensor:
