@@ -87,6 +87,12 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "store_ds": True,
         "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
     },  # from the stored ones
+    # the programs' order (the CPU's default is the longest blocks first, a GPU's in fp32 the other)
+    "one sequence after another": {kind: dict(BLOCK_M=16, BLOCK_N=16) for kind in ("fwd", "dkdv", "dq")},
+    "the longest blocks first, score gradients stored": {
+        "store_ds": True,
+        **{kind: dict(BLOCK_M=16, BLOCK_N=16, LONGEST_FIRST=True) for kind in ("fwd", "dkdv", "dq")},
+    },
 }
 
 

@@ -45,6 +45,9 @@ block kb + band) has the same distance at the same place, so it adds a band's st
 rotates and sums the diagonals once per band rather than once per tile. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
+Every kernel starts the blocks with the most tiles first: within each sequence, or, where the launch
+settings say ``LONGEST_FIRST``, across the whole batch (``_program``).
+
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
 capacity for CUDA graphs); the programs of one more sequence index than the batch has write those zeros, so
 no output or gradient is filled beforehand. Programs of blocks past a sequence's end exit at once, so the
@@ -192,12 +195,44 @@ def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _zero_tail(base, offsets, tokens, stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _program(LONGEST_FIRST: tl.constexpr):
+    """The sequence, head and rank of a program: rank 0 starts first in its sequence, and a block's work
+    falls as its rank grows, in every sequence alike (each kernel maps a rank to the block with that much
+    work in its own sequence; ranks past a sequence's blocks exit). ``LONGEST_FIRST``: the grid is (heads,
+    sequences and one more, ranks), ranks varying slowest, so the blocks of most work in the whole batch
+    start first and the short ones fill in after them (no long block starts last and runs alone while the
+    other SMs idle). Else (ranks, sequences and one more, heads): one sequence and head after another, whose
+    programs start side by side and read the same rows from the L2 cache. On an H200 the batch's order took
+    the attention's kernels 5-17% less time at heads of 128 and none at heads of 256, whose forward ran up
+    to 18% slower so (BENCHMARKS.md): ``kernel_configs`` sets it per kernel."""
+    if LONGEST_FIRST:
+        return tl.program_id(1), tl.program_id(0), tl.program_id(2)
+    return tl.program_id(1), tl.program_id(2), tl.program_id(0)
+
+
+@triton.jit
+def _ranks(LONGEST_FIRST: tl.constexpr):
+    """How many ranks the grid has (the longest sequence's blocks at least)."""
+    return tl.num_programs(2) if LONGEST_FIRST else tl.num_programs(0)
+
+
+@triton.jit
+def _zero_tail(
+    base,
+    offsets,
+    tokens,
+    stride,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+):
     """For the programs of the grid's last sequence index (one past the batch's): zeroes the rows after the
     last sequence (``offsets[-1]:tokens``, the capacity's padding) of a [tokens, WIDTH] view, ``ROWS`` rows
-    per step, the programs of the grid's first axis taking turns."""
-    step = tl.num_programs(0) * ROWS
-    for row in range(tl.load(offsets + tl.program_id(1)).to(tl.int32) + tl.program_id(0) * ROWS, tokens, step):
+    per step, the programs of one head taking turns in rank order."""
+    seq, _, rank = _program(LONGEST_FIRST)
+    step = _ranks(LONGEST_FIRST) * ROWS
+    for row in range(tl.load(offsets + seq).to(tl.int32) + rank * ROWS, tokens, step):
         rows = (row + tl.arange(0, ROWS)).to(tl.int64)
         _store_rows(base, rows, rows < tokens, stride, tl.zeros([ROWS, BLOCK], tl.float32), WIDTH, BLOCK)
 
@@ -351,11 +386,12 @@ def _hstu_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most keys) start first
-    seq, head = tl.program_id(1), tl.program_id(2)
+    seq, head, rank = _program(LONGEST_FIRST)
+    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
     if seq == tl.num_programs(1) - 1:
-        _zero_tail(Out + head * stride_oh, offsets, tokens, stride_on, HIDDEN_DIM, BLOCK_D, BLOCK_M)
+        _zero_tail(Out + head * stride_oh, offsets, tokens, stride_on, HIDDEN_DIM, BLOCK_D, BLOCK_M, LONGEST_FIRST)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -703,16 +739,18 @@ def _hstu_bwd_dkdv(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     STORE_DS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # the first keys (most rows) first
+    seq, head, rank = _program(LONGEST_FIRST)
     if seq == tl.num_programs(1) - 1:
-        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N)
-        _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N)
+        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, LONGEST_FIRST)
+        _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, LONGEST_FIRST)
         return
     start, n = _sequence(offsets, seq)
-    first = block * BLOCK_N
-    if first >= n:
+    block = tl.cdiv(n, BLOCK_N) - _ranks(LONGEST_FIRST) + rank  # the first keys (most rows) first
+    if block < 0:
         return
+    first = block * BLOCK_N
     ts = timestamps + start
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < n
@@ -951,11 +989,12 @@ def _hstu_bwd_dq(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq, head = tl.program_id(1), tl.program_id(2)
+    seq, head, rank = _program(LONGEST_FIRST)
+    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
     if seq == tl.num_programs(1) - 1:
-        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M)
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, LONGEST_FIRST)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -1182,14 +1221,15 @@ def _hstu_bwd_dq_stored(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     POSITIONS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
     """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
     recomputes the scores and dP (two more). The position table's gradient only if ``POSITIONS`` (else
     ``_hstu_bwd_position_bands`` sums it)."""
-    block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq, head = tl.program_id(1), tl.program_id(2)
+    seq, head, rank = _program(LONGEST_FIRST)
+    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
     if seq == tl.num_programs(1) - 1:
-        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M)
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, LONGEST_FIRST)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -1364,10 +1404,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     program; absent or None: in the dq kernel). On CUDA, the fastest of the candidates timed on an H200 for
     heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
     BENCHMARKS.md): both store the score gradients and sum the positions by bands; smaller tiles for fp32,
-    whose tiles take twice the shared memory, and the scores recomputed. Small tiles on the CPU (Triton's
+    whose tiles take twice the shared memory, and the scores recomputed; the batch's longest blocks first
+    (``LONGEST_FIRST``, absent: False) at heads of 128 in bf16. Small tiles on the CPU (Triton's
     interpreter: tests only)."""
     if device.type != "cuda":
-        tile = dict(BLOCK_M=16, BLOCK_N=16)
+        tile = dict(BLOCK_M=16, BLOCK_N=16, LONGEST_FIRST=True)
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
     if max(block_a, block_d) > 128:  # heads of 256 (the seed's shape): accumulators twice as wide
         wide = dict(num_warps=8, num_stages=2)
@@ -1379,7 +1420,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
                 "bias_grads": "dq",
             }
         return {
-            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),  # one sequence after another
             "dkdv": dict(BLOCK_M=64, BLOCK_N=64, **wide),
             "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3),
             "bias_grads": "dq",
@@ -1394,9 +1435,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "bias_grads": "dq",
         }
     return {
-        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168),  # 3 programs per SM
-        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168, LONGEST_FIRST=True),  # 3 per SM
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, LONGEST_FIRST=True),
+        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, LONGEST_FIRST=True),
         "bias_grads": "dq",
         "store_ds": True,  # the backward's attention kernels 20-27% faster than recomputing the scores (BENCHMARKS.md)
         "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),
@@ -1504,9 +1545,16 @@ def time_ranges(
     return ranges, block
 
 
-def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int) -> tuple[int, int, int]:
-    """Blocks of the longest sequence, the sequences and one more (the rows after the last sequence), heads."""
-    return triton.cdiv(max(max_len, 1), block), len(offsets), heads
+def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: dict) -> tuple[int, int, int]:
+    """The ranks (blocks of the longest sequence), the sequences and one more (the rows after the last
+    sequence), and the heads, in ``_program``'s order for the config's ``LONGEST_FIRST``."""
+    ranks = triton.cdiv(max(max_len, 1), block)
+    return (heads, len(offsets), ranks) if config["LONGEST_FIRST"] else (ranks, len(offsets), heads)
+
+
+def _ordered(config: dict) -> dict:
+    """A kernel's launch settings with ``LONGEST_FIRST`` (absent: False)."""
+    return {**config, "LONGEST_FIRST": bool(config.get("LONGEST_FIRST"))}
 
 
 def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
@@ -1534,8 +1582,8 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
     configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
     ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
-    config = configs["fwd"]
-    _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+    config = _ordered(configs["fwd"])
+    _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
         _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
@@ -1570,8 +1618,8 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         ds, ds_head_rows = _ds_rows(offsets, q.shape[0], q.shape[1], max_len, ds_side, q.dtype)
     else:
         ds_head_rows = 0
-    config = configs["dkdv"]
-    _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1])](
+    config = _ordered(configs["dkdv"])
+    _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
         _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
         k,
         v,
@@ -1591,10 +1639,10 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         BIAS_GRADS=not in_dq,
         STORE_DS=store,
     )
-    config = configs["dq"]
+    config = _ordered(configs["dq"])
     skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
     if store:
-        _hstu_bwd_dq_stored[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+        _hstu_bwd_dq_stored[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
             _ds_descriptor(ds, config),
             ds_side,
             ds_head_rows,
@@ -1633,7 +1681,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
                 **config,
             )
         return d_position.to(position.dtype), d_time.to(time.dtype)
-    _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1])](
+    _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
         _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
