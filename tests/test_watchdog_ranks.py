@@ -172,3 +172,21 @@ def test_a_rank_that_fails_ends_the_others_steps_with_its_error_not_the_timeout(
         -3000:
     ]
     assert "did not finish within" not in stderr  # not the timeout's report
+
+
+def test_a_rank_that_fails_in_validation_ends_the_others_with_its_error(tmp_path):
+    """Rank 1's validation_step raises inside the first epoch (its process stays, as on NCCL); rank 0 finished
+    its validation batches and waited in the reduction of the loss it logged with ``sync_dist``, outside any
+    step: it waited until rank 1's process ended (40 s here; on NCCL, with the rank still there, the process
+    group's timeout). Now the strategy's collectives between steps run under the step timeout: rank 0's
+    watchdog reads rank 1's failure, reports where rank 0 waits, and ends the process."""
+    from ranks import run_script
+
+    script = SCRIPT.parent / "peer_failure_two_ranks.py"
+    result = run_script(script, tmp_path, tmp_path, "validation", timeout=35)  # under rank 1's 40 s: not its end
+    stderr = result.stderr
+    assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
+    assert "rank 1: ValueError: injected failure on rank 1 at validation batch 0" in stderr, stderr[-3000:]
+    assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 at validation batch 0" in stderr
+    assert "reducing a tensor over the ranks (reduce_op 'mean'), on thread 'MainThread'" in stderr
+    assert "rank 0: ending the process after another rank's failure" in stderr

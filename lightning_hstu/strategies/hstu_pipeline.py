@@ -5,6 +5,7 @@ import difflib
 import inspect
 import os
 import pickle
+import threading
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -391,6 +392,36 @@ class HSTUPipelineStrategy(DDPStrategy):
 
     def _step_timeout_paused(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self._engine is None else self._engine.paused()
+
+    def _caller_watched(self, what: str) -> contextlib.AbstractContextManager:
+        """The step timeout around the caller's own work while a fit's engine runs (a no-op on the engine's
+        threads, whose work the step's own watch times, and without an engine or a timeout): a collective
+        there that waits for a rank that failed or hangs is reported and ends the process, as a hung step's
+        caller is, where it would otherwise wait for the process group's timeout."""
+        engine = self._engine
+        if engine is None or threading.current_thread() in engine.threads():
+            return contextlib.nullcontext()
+        return engine.watched(what)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, under the step timeout inside a training epoch (``_caller_watched``): its collectives
+        (TorchRec's input distribution) wait for the other ranks."""
+        with self._caller_watched(f"validation_step of batch {args[1]}" if len(args) > 1 else "validation_step"):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's, under the step timeout inside a training epoch (``_caller_watched``): the metrics
+        logged with ``sync_dist`` are reduced here, at a validation's end among others."""
+        with self._caller_watched(f"reducing a tensor over the ranks (reduce_op {reduce_op!r})"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """Lightning's, under the step timeout inside a training epoch (``_caller_watched``)."""
+        with self._caller_watched("gathering a tensor from the ranks"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

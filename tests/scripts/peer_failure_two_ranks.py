@@ -1,10 +1,12 @@
 """Fits the toy recommender on two processes under ``HSTUPipelineStrategy("legacy_none", step_timeout=60)``,
-where rank 1's ``training_step`` raises at batch 3 and rank 1's process then stays (as a rank on NCCL whose
-peers do not see it end); run by test_watchdog_ranks.py (two CPU processes, gloo).
+where rank 1's ``training_step`` raises at batch 3 (or, with ``validation``, its ``validation_step`` at
+validation batch 0 of the first epoch's end) and rank 1's process then stays (as a rank on NCCL whose peers do
+not see it end); run by test_watchdog_ranks.py (two CPU processes, gloo).
 
-    python peer_failure_two_ranks.py OUT_DIR
+    python peer_failure_two_ranks.py OUT_DIR [validation]
 
-Rank 0's step waits in the gradients' all-reduce for rank 1, which never comes: the rank that ends it first
+Rank 0's step waits in the gradients' all-reduce for rank 1 (with ``validation``: rank 0's validation, at its
+end, in the reduction of the loss logged with ``sync_dist``), which never comes: the rank that ends it first
 says why. Each rank prints ``rank R: <the error's type>: <the error>`` on stderr when its fit raises; rank 0
 then ends the rank it launched, and both exit with status 1 (rank 0 may also be ended by its watchdog).
 """
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.data.toy import ToyDataModule
@@ -22,12 +25,20 @@ from lightning_hstu.models.toy import ToyRecommender
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from lightning_runs import QUIET  # noqa: E402
 
+VALIDATION = sys.argv[2:] == ["validation"]
+
 
 class FailsOnRank1(ToyRecommender):
     def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 3:
+        if self.global_rank == 1 and batch_idx == 3 and not VALIDATION:
             raise ValueError("injected failure on rank 1 at batch 3")
         return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 0:
+            raise ValueError("injected failure on rank 1 at validation batch 0")
+        items, ratings = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(items), ratings), sync_dist=True)
 
 
 def main() -> None:
@@ -37,7 +48,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        limit_val_batches=0,
+        limit_val_batches=4 if VALIDATION else 0,
         **QUIET,
     )
     try:
