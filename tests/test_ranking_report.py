@@ -15,6 +15,7 @@ from small_hstu import small_data
 
 from lightning_hstu.callbacks import FitSummary, RankingReport
 from lightning_hstu.data.evaluation import METRICS, RANKINGS
+from lightning_hstu.data.histories import HistoryDataModule
 from lightning_hstu.models.sasrec import SASRecRecommender
 
 SMALL_SASREC = dict(embedding_dim=16, num_layers=1, num_heads=2, max_seq_len=32, dropout=0.0, lr=0.01)
@@ -45,7 +46,7 @@ class WeightsAtValidation(Callback):
         self.by_epoch[trainer.current_epoch] = [w.detach().clone() for w in pl_module.evaluation_weights()]
 
 
-def fit_and_test(tmp_path, model, report, epochs=3, extra=()):
+def fit_and_test(tmp_path, model, report, epochs=3, extra=(), data=None):
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -58,7 +59,7 @@ def fit_and_test(tmp_path, model, report, epochs=3, extra=()):
         num_sanity_val_steps=0,
         callbacks=[report, *extra],
     )
-    data = small_data(negatives=0)
+    data = data or small_data(negatives=0)
     trainer.fit(model, data)
     trainer.test(model, datamodule=data, verbose=False)
     return trainer
@@ -97,6 +98,50 @@ def test_the_report_sets_runs_of_the_same_data_side_by_side(tmp_path, capsys):
         rows = [line.split()[0] for line in block.splitlines()[2:5]]
         assert rows == ["SASRec", "SASRec-a", "most"], block  # this run, the earlier one, the baseline
     assert report.count("version_0") == 2  # the earlier run's directory, named in each block
+
+
+class FixedHistories(HistoryDataModule):
+    """The same histories whatever ``max_seq_len`` reads of them, as a dataset's files (MovieLens)."""
+
+    def load(self):
+        return small_data().load()
+
+
+def test_runs_that_read_histories_of_other_lengths_are_side_by_side_with_their_length(tmp_path, capsys):
+    """The main job's HSTU reads 400 events, the SASRec example 200: the report matched runs by a description
+    that named the histories' length, so it left out the SASRec run of the same users and held-out items."""
+    model = dict(SMALL_SASREC, max_seq_len=16)
+    first = fit_and_test(
+        tmp_path,
+        SASRecRecommender(**model),
+        RankingReport(name="SASRec-16"),
+        1,
+        data=FixedHistories(batch_size=8, max_seq_len=16, negatives=0),
+    )
+    capsys.readouterr()
+    fit_and_test(
+        tmp_path,
+        SASRecRecommender(**SMALL_SASREC),
+        RankingReport(),
+        1,
+        data=FixedHistories(batch_size=8, max_seq_len=32, negatives=0),
+    )
+    report = capsys.readouterr().out
+    report = report[report.index("test (") :]
+    assert report.startswith("test (FixedHistories (96 users,") and "histories of at most 32 events;" in report
+    rows = [line for line in report.splitlines() if line.startswith("  SASRec-16 ")]
+    assert len(rows) == 2  # under both rankings
+    assert all(f"({first.log_dir}, " in row and "; histories of at most 16 events)" in row for row in rows)
+
+    capsys.readouterr()
+    fit_and_test(
+        tmp_path,
+        SASRecRecommender(**SMALL_SASREC),
+        RankingReport(name="other-draw"),
+        1,
+        data=small_data(negatives=0, max_seq_len=24),
+    )
+    assert "SASRec-16" not in capsys.readouterr().out  # synthetic data of another length bound: another split
 
 
 class Losses(Callback):

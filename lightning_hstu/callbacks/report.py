@@ -22,7 +22,8 @@ class RankingReport(Callback):
     them back when fit ends, so that a ``trainer.test`` after fit (``lightning-hstu fit`` runs one) scores
     the test items once, with those weights. After the test it prints every metric under both rankings for
     this model, for each other model whose ``ranking.json`` lies in a sibling run directory with the same
-    data description (the latest run per model), and for the most-popular baseline; and writes this run's
+    split (the same users' held-out items: the latest run per model, with its histories' length where that
+    differs from this run's), and for the most-popular baseline; and writes this run's
     ``ranking.json`` into its log directory (a CSV or TensorBoard logger's ``version_N``; without a logger, or
     under another, whose directory every run shares, there is none: nothing is written and no other run is
     read). The report names the weights it tested: the best epoch's where ``on_fit_end`` put them
@@ -33,8 +34,8 @@ class RankingReport(Callback):
     run writes no ``ranking.json``, so other runs' reports do not show it as this model's.
 
     Needs a model with ``evaluation_weights()`` that logs ``val/...`` and ``test/...`` as
-    ``models.ranking.RankingEvaluation`` does, and a datamodule with ``most_popular()`` and ``description``
-    (``data.histories.HistoryDataModule``)."""
+    ``models.ranking.RankingEvaluation`` does, and a datamodule with ``most_popular()``, ``description`` and
+    ``split`` (``data.histories.HistoryDataModule``)."""
 
     def __init__(self, monitor: str = "val/all/NDCG@10", name: str | None = None):
         self.monitor, self.name = monitor, name
@@ -107,13 +108,17 @@ class RankingReport(Callback):
         if not metrics:
             return
         data = trainer.datamodule
-        description = data.description + _test_share(trainer)
+        share = _test_share(trainer)
+        description = data.description + share
+        split = getattr(data, "split", data.description) + share
         name = self.name or _model_name(pl_module)
         weights = self.tested(trainer)
         run_dir = Path(log_dir) if log_dir else None
         result = {
             "model": name,
             "data": description,
+            "split": split,
+            "max_seq_len": getattr(data, "max_seq_len", None),
             "metrics": metrics,
             "best_epoch": self.best_epoch,
             "weights": weights,
@@ -122,10 +127,10 @@ class RankingReport(Callback):
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             "run": str(run_dir) if run_dir else None,
         }
-        others = _other_runs(run_dir, description, name) if run_dir else []
+        others = _other_runs(run_dir, split, description, name) if run_dir else []
         rows = [
             (name, metrics, ""),
-            *((o["model"], o["metrics"], f"  ({o['run']}, {o['finished']})") for o in others),
+            *((o["model"], o["metrics"], _other_note(o, description)) for o in others),
             ("most popular", data.most_popular("test"), ""),
         ]
         print(format_report(description, rows, weights))
@@ -166,14 +171,23 @@ def _model_name(pl_module) -> str:
     return type(pl_module).__name__.removesuffix("Recommender") or type(pl_module).__name__
 
 
-def _other_runs(run_dir: Path, description: str, name: str) -> list[dict]:
-    """The latest result per other model in the sibling run directories, on the same data."""
+def _other_note(result: dict, description: str) -> str:
+    """Where another run's row comes from, and how long its histories were where they differ from this run's."""
+    window = result.get("max_seq_len")
+    length = f"; histories of at most {window} events" if window and result.get("data") != description else ""
+    return f"  ({result['run']}, {result['finished']}{length})"
+
+
+def _other_runs(run_dir: Path, split: str, description: str, name: str) -> list[dict]:
+    """The latest result per other model in the sibling run directories, on the same split (runs that read
+    histories of other lengths included); a result written without its split, on the same description."""
     latest: dict[str, dict] = {}
     for path in sorted(run_dir.parent.glob(f"*/{RESULTS_FILE}"), key=lambda p: p.stat().st_mtime):
         try:
             result = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if result.get("data") == description and result.get("model") != name and path.parent != run_dir:
+        same = result["split"] == split if "split" in result else result.get("data") == description
+        if same and result.get("model") != name and path.parent != run_dir:
             latest[result["model"]] = result
     return list(latest.values())

@@ -332,10 +332,16 @@ class HistoryDataModule(pl.LightningDataModule):
         self.latest = [h.last(self.max_seq_len) for h in histories if h.items]
 
     @property
+    def split(self) -> str:
+        """Which users' held-out items the metrics are of: reports put side by side only runs of the same split
+        (after ``setup``: the counts tell another file or another part of one apart). ``max_seq_len`` cuts
+        the inputs only, so runs that read histories of other lengths share it."""
+        return f"{type(self).__name__} ({self.counts}), leave-two-out"
+
+    @property
     def description(self) -> str:
-        """What the metrics were measured on: reports put side by side only runs of the same description
-        (after ``setup``: the counts tell another file or another part of one apart)."""
-        return f"{type(self).__name__} ({self.counts}), leave-two-out, histories of at most {self.max_seq_len} events"
+        """The split and how much of each history the model read."""
+        return f"{self.split}, histories of at most {self.max_seq_len} events"
 
     @property
     def counts(self) -> str:
@@ -435,10 +441,11 @@ class SyntheticHistories(HistoryDataModule):
         self._users, self._items, self.alpha = num_users, num_items, alpha
 
     @property
-    def description(self) -> str:
+    def split(self) -> str:
+        """The draw's settings too (``max_seq_len`` bounds the drawn lengths: another one draws other data)."""
         return (
-            f"SyntheticHistories (alpha {self.alpha:g}, seed {self.seed}; {self.counts}), leave-two-out, "
-            f"histories of at most {self.max_seq_len} events"
+            f"SyntheticHistories (alpha {self.alpha:g}, seed {self.seed}, lengths up to {self.max_seq_len}; "
+            f"{self.counts}), leave-two-out"
         )
 
     def load(self) -> list[History]:

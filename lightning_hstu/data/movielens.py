@@ -99,10 +99,8 @@ class MovieLens(HistoryDataModule):
         return histories_from(rows, FORMATS[self.dataset].half_stars, (self.user_ids, self.item_ids))
 
     @property
-    def description(self) -> str:
-        return (
-            f"MovieLens {self.dataset} ({self.counts}), leave-two-out, histories of at most {self.max_seq_len} events"
-        )
+    def split(self) -> str:
+        return f"MovieLens {self.dataset} ({self.counts}), leave-two-out"
 
 
 def read_ratings(dataset: str, root: str | None) -> list[tuple[int, int, float, int]]:
