@@ -59,7 +59,7 @@ def fit_and_test(tmp_path, model, report, epochs=3, extra=(), data=None):
         num_sanity_val_steps=0,
         callbacks=[report, *extra],
     )
-    data = data or small_data(negatives=0)
+    data = small_data(negatives=0) if data is None else data
     trainer.fit(model, data)
     trainer.test(model, datamodule=data, verbose=False)
     return trainer
