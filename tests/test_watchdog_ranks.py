@@ -191,3 +191,18 @@ def test_a_rank_that_fails_in_validation_ends_the_others_with_its_error(tmp_path
     assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 at validation batch 0" in stderr
     assert "reducing a tensor over the ranks (reduce_op 'mean'), on thread 'MainThread'" in stderr
     assert "rank 0: ending the process after another rank's failure" in stderr
+
+
+def test_a_rank_that_fails_between_epochs_ends_the_others_with_its_error(tmp_path):
+    """Rank 1's on_train_epoch_end raises after epoch 0 (its process stays); rank 0 went on to epoch 1 and
+    waited in the ranks' agreement on its number of batches, between epochs and outside any watch, until rank
+    1's process ended (or the process groups' timeout on NCCL). Now that agreement runs under the step
+    timeout too."""
+    from ranks import run_script
+
+    script = SCRIPT.parent / "peer_failure_two_ranks.py"
+    result = run_script(script, tmp_path, tmp_path, "epoch_end", timeout=55)
+    stderr = result.stderr
+    assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
+    assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 at the end of epoch 0" in stderr
+    assert "agreeing on the epoch's number of batches with the other ranks, on thread 'MainThread'" in stderr

@@ -351,7 +351,8 @@ class HSTUPipelineStrategy(DDPStrategy):
         if self._data_group is None:
             return value
         tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._data_group)
+        with self._caller_watched("agreeing on the epoch's number of batches with the other ranks"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._data_group)
         return tensor.item()
 
     def any_rank(self, flag: bool) -> bool:
