@@ -87,11 +87,13 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "store_ds": True,
         "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
     },  # from the stored ones
-    # the programs' order (the CPU's default is the longest blocks first, a GPU's in fp32 the other)
-    "one sequence after another": {kind: dict(BLOCK_M=16, BLOCK_N=16) for kind in ("fwd", "dkdv", "dq")},
-    "the longest blocks first, score gradients stored": {
-        "store_ds": True,
-        **{kind: dict(BLOCK_M=16, BLOCK_N=16, LONGEST_FIRST=True) for kind in ("fwd", "dkdv", "dq")},
+    # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order)
+    **{
+        f"programs in {order} order{', score gradients stored' * store}": {
+            "store_ds": store,
+            **{kind: dict(BLOCK_M=16, BLOCK_N=16, ORDER=order) for kind in ("fwd", "dkdv", "dq")},
+        }
+        for order, store in [("index", False), ("sequences", True), ("blocks", True)]
     },
 }
 
@@ -290,9 +292,13 @@ def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeyp
             {"store_ds": True, "bands": dict(BLOCK_M=32, BLOCK_N=16, CHUNK=2)},
             "bands: the tiles of a band must be square",
         ),
+        (
+            {"dkdv": dict(BLOCK_M=16, BLOCK_N=16, ORDER="longest")},
+            "dkdv: ORDER must be one of index, sequences, blocks, got 'longest'",
+        ),
     ],
 )
-def test_position_sums_by_bands_need_stored_square_tiles(launch, error, monkeypatch):
+def test_launch_settings_that_cannot_work_are_refused(launch, error, monkeypatch):
     configs = kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **launch})
     q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")

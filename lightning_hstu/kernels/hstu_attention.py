@@ -45,8 +45,8 @@ block kb + band) has the same distance at the same place, so it adds a band's st
 rotates and sums the diagonals once per band rather than once per tile. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
-Every kernel starts the blocks with the most tiles first: within each sequence, or, where the launch
-settings say ``LONGEST_FIRST``, across the whole batch (``_program``).
+Every kernel starts the blocks with the most tiles first within each sequence; the launch settings' ``ORDER``
+also puts the longest sequences first, or the blocks of most tiles in the whole batch (``_program``).
 
 Tokens past ``offsets[-1]`` belong to no sequence: their output is zero and they get no gradient (a static
 capacity for CUDA graphs); the programs of one more sequence index than the batch has write those zeros, so
@@ -194,26 +194,47 @@ def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.c
         tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None] & (w < WIDTH)[None, :])
 
 
+ORDERS = ("index", "sequences", "blocks")
+"""The programs' orders a kernel's launch settings may name (``ORDER``, ``_program``)."""
+
+
 @triton.jit
-def _program(LONGEST_FIRST: tl.constexpr):
+def _program(ORDER: tl.constexpr, order):
     """The sequence, head and rank of a program: rank 0 starts first in its sequence, and a block's work
     falls as its rank grows, in every sequence alike (each kernel maps a rank to the block with that much
-    work in its own sequence; ranks past a sequence's blocks exit). ``LONGEST_FIRST``: the grid is (heads,
-    sequences and one more, ranks), ranks varying slowest, so the blocks of most work in the whole batch
-    start first and the short ones fill in after them (no long block starts last and runs alone while the
-    other SMs idle). Else (ranks, sequences and one more, heads): one sequence and head after another, whose
-    programs start side by side and read the same rows from the L2 cache. On an H200 the batch's order took
-    the attention's kernels 5-17% less time at heads of 128 and none at heads of 256, whose forward ran up
-    to 18% slower so (BENCHMARKS.md): ``kernel_configs`` sets it per kernel."""
-    if LONGEST_FIRST:
+    work in its own sequence; ranks past a sequence's blocks exit). The launch setting ``ORDER`` lays out the
+    grid, whose first axis varies fastest:
+
+    - ``"index"``: (ranks, sequences and one more, heads): one sequence after another in the batch's order,
+      the heads last;
+    - ``"sequences"``: (ranks, heads, sequences and one more), the sequences longest first (``order``, their
+      indices by length, made per call): each sequence's programs start side by side and read the same rows
+      from the L2 cache, and the short sequences come last;
+    - ``"blocks"``: (heads, sequences and one more, ranks), ranks slowest: the blocks of most work in the whole
+      batch start first and the short ones fill in after them, at the cost of the L2 cache's sharing.
+
+    No long block should start last and run alone while the other SMs idle. On an H200 (BENCHMARKS.md):
+    ``"blocks"`` took the attention's kernels 10-27% less time than ``"index"`` at heads of 128, and made the
+    forward 8-19% slower at heads of 256, where ``"sequences"`` took it 8-12% less (the backward's 1-7%)."""
+    if ORDER == "blocks":
         return tl.program_id(1), tl.program_id(0), tl.program_id(2)
+    if ORDER == "sequences":
+        index, count = tl.program_id(2), tl.num_programs(2) - 1
+        seq = tl.load(order + index, mask=index < count, other=count).to(tl.int32)  # the rows after the batch last
+        return seq, tl.program_id(1), tl.program_id(0)
     return tl.program_id(1), tl.program_id(2), tl.program_id(0)
 
 
 @triton.jit
-def _ranks(LONGEST_FIRST: tl.constexpr):
+def _ranks(ORDER: tl.constexpr):
     """How many ranks the grid has (the longest sequence's blocks at least)."""
-    return tl.num_programs(2) if LONGEST_FIRST else tl.num_programs(0)
+    return tl.num_programs(2) if ORDER == "blocks" else tl.num_programs(0)
+
+
+@triton.jit
+def _is_tail(seq, ORDER: tl.constexpr):
+    """Whether ``seq`` is the grid's last sequence index, one past the batch's: the rows after the batch."""
+    return seq == (tl.num_programs(2) if ORDER == "sequences" else tl.num_programs(1)) - 1
 
 
 @triton.jit
@@ -225,13 +246,14 @@ def _zero_tail(
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
 ):
     """For the programs of the grid's last sequence index (one past the batch's): zeroes the rows after the
     last sequence (``offsets[-1]:tokens``, the capacity's padding) of a [tokens, WIDTH] view, ``ROWS`` rows
     per step, the programs of one head taking turns in rank order."""
-    seq, _, rank = _program(LONGEST_FIRST)
-    step = _ranks(LONGEST_FIRST) * ROWS
+    seq, _, rank = _program(ORDER, order)
+    step = _ranks(ORDER) * ROWS
     for row in range(tl.load(offsets + seq).to(tl.int32) + rank * ROWS, tokens, step):
         rows = (row + tl.arange(0, ROWS)).to(tl.int64)
         _store_rows(base, rows, rows < tokens, stride, tl.zeros([ROWS, BLOCK], tl.float32), WIDTH, BLOCK)
@@ -386,12 +408,13 @@ def _hstu_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
 ):
-    seq, head, rank = _program(LONGEST_FIRST)
-    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
-    if seq == tl.num_programs(1) - 1:
-        _zero_tail(Out + head * stride_oh, offsets, tokens, stride_on, HIDDEN_DIM, BLOCK_D, BLOCK_M, LONGEST_FIRST)
+    seq, head, rank = _program(ORDER, order)
+    block = _ranks(ORDER) - 1 - rank  # the last rows (most keys) first
+    if _is_tail(seq, ORDER):
+        _zero_tail(Out + head * stride_oh, offsets, tokens, stride_on, HIDDEN_DIM, BLOCK_D, BLOCK_M, ORDER, order)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -739,15 +762,16 @@ def _hstu_bwd_dkdv(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     STORE_DS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
 ):
-    seq, head, rank = _program(LONGEST_FIRST)
-    if seq == tl.num_programs(1) - 1:
-        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, LONGEST_FIRST)
-        _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, LONGEST_FIRST)
+    seq, head, rank = _program(ORDER, order)
+    if _is_tail(seq, ORDER):
+        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order)
+        _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, ORDER, order)
         return
     start, n = _sequence(offsets, seq)
-    block = tl.cdiv(n, BLOCK_N) - _ranks(LONGEST_FIRST) + rank  # the first keys (most rows) first
+    block = tl.cdiv(n, BLOCK_N) - _ranks(ORDER) + rank  # the first keys (most rows) first
     if block < 0:
         return
     first = block * BLOCK_N
@@ -989,12 +1013,13 @@ def _hstu_bwd_dq(
     SKEW: tl.constexpr,
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
 ):
-    seq, head, rank = _program(LONGEST_FIRST)
-    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
-    if seq == tl.num_programs(1) - 1:
-        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, LONGEST_FIRST)
+    seq, head, rank = _program(ORDER, order)
+    block = _ranks(ORDER) - 1 - rank  # the last rows (most keys) first
+    if _is_tail(seq, ORDER):
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, ORDER, order)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -1221,15 +1246,16 @@ def _hstu_bwd_dq_stored(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     POSITIONS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
 ):
     """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
     recomputes the scores and dP (two more). The position table's gradient only if ``POSITIONS`` (else
     ``_hstu_bwd_position_bands`` sums it)."""
-    seq, head, rank = _program(LONGEST_FIRST)
-    block = _ranks(LONGEST_FIRST) - 1 - rank  # the last rows (most keys) first
-    if seq == tl.num_programs(1) - 1:
-        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, LONGEST_FIRST)
+    seq, head, rank = _program(ORDER, order)
+    block = _ranks(ORDER) - 1 - rank  # the last rows (most keys) first
+    if _is_tail(seq, ORDER):
+        _zero_tail(dQ + head * stride_dqh, offsets, tokens, stride_dqn, ATTENTION_DIM, BLOCK_A, BLOCK_M, ORDER, order)
         return
     start, n = _sequence(offsets, seq)
     first = block * BLOCK_M
@@ -1405,10 +1431,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
     BENCHMARKS.md): both store the score gradients and sum the positions by bands; smaller tiles for fp32,
     whose tiles take twice the shared memory, and the scores recomputed; the batch's longest blocks first
-    (``LONGEST_FIRST``, absent: False) at heads of 128 in bf16. Small tiles on the CPU (Triton's
+    ``ORDER`` (``_program``; absent: "index"): the batch's longest blocks first at heads of 128 in bf16, the
+    longest sequences first at heads of 256 in bf16. Small tiles on the CPU (Triton's
     interpreter: tests only)."""
     if device.type != "cuda":
-        tile = dict(BLOCK_M=16, BLOCK_N=16, LONGEST_FIRST=True)
+        tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
     if max(block_a, block_d) > 128:  # heads of 256 (the seed's shape): accumulators twice as wide
         wide = dict(num_warps=8, num_stages=2)
@@ -1420,9 +1447,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
                 "bias_grads": "dq",
             }
         return {
-            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),  # one sequence after another
-            "dkdv": dict(BLOCK_M=64, BLOCK_N=64, **wide),
-            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3),
+            "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, ORDER="sequences"),
+            "dkdv": dict(BLOCK_M=64, BLOCK_N=64, ORDER="sequences", **wide),
+            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
             "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),  # the position sums
@@ -1435,9 +1462,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "bias_grads": "dq",
         }
     return {
-        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168, LONGEST_FIRST=True),  # 3 per SM
-        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, LONGEST_FIRST=True),
-        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, LONGEST_FIRST=True),
+        "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=168, ORDER="blocks"),  # 3 per SM
+        "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, ORDER="blocks"),
+        "dq": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, ORDER="blocks"),
         "bias_grads": "dq",
         "store_ds": True,  # the backward's attention kernels 20-27% faster than recomputing the scores (BENCHMARKS.md)
         "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),
@@ -1445,6 +1472,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
 
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
+    for kind in ("fwd", "dkdv", "dq"):
+        if configs[kind].get("ORDER", "index") not in ORDERS:
+            raise ValueError(f"{kind}: ORDER must be one of {', '.join(ORDERS)}, got {configs[kind]['ORDER']!r}")
     if configs["bias_grads"] not in ("dkdv", "dq"):
         raise ValueError(
             f"bias_grads must name the kernel that sums the bias gradients (dkdv or dq), got {configs['bias_grads']!r}"
@@ -1547,14 +1577,25 @@ def time_ranges(
 
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: dict) -> tuple[int, int, int]:
     """The ranks (blocks of the longest sequence), the sequences and one more (the rows after the last
-    sequence), and the heads, in ``_program``'s order for the config's ``LONGEST_FIRST``."""
-    ranks = triton.cdiv(max(max_len, 1), block)
-    return (heads, len(offsets), ranks) if config["LONGEST_FIRST"] else (ranks, len(offsets), heads)
+    sequence), and the heads, laid out as ``_program`` reads them for the config's ``ORDER``."""
+    ranks, sequences = triton.cdiv(max(max_len, 1), block), len(offsets)
+    return {
+        "index": (ranks, sequences, heads),
+        "sequences": (ranks, heads, sequences),
+        "blocks": (heads, sequences, ranks),
+    }[config["ORDER"]]
 
 
 def _ordered(config: dict) -> dict:
-    """A kernel's launch settings with ``LONGEST_FIRST`` (absent: False)."""
-    return {**config, "LONGEST_FIRST": bool(config.get("LONGEST_FIRST"))}
+    """A kernel's launch settings with its ``ORDER`` (absent: "index")."""
+    return {**config, "ORDER": config.get("ORDER", "index")}
+
+
+def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
+    """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
+    if all(configs[kind].get("ORDER") != "sequences" for kind in ("fwd", "dkdv", "dq")):
+        return None
+    return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
 
 def _rows_descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
@@ -1582,6 +1623,7 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
     configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
     ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
+    order = _sequence_order(offsets, configs)
     config = _ordered(configs["fwd"])
     _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
@@ -1596,8 +1638,9 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
         **sizes,
         **config,
         RANGE_BLOCK=range_block,
+        order=order,
     )
-    return out, dict(max_len=max_len, sizes=sizes, configs=configs, range_block=range_block, ranges=ranges)
+    return out, dict(max_len=max_len, sizes=sizes, configs=configs, range_block=range_block, ranges=ranges, order=order)
 
 
 def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv):
@@ -1638,6 +1681,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         BIAS_GRADS=not in_dq,
         STORE_DS=store,
+        order=state["order"],
     )
     config = _ordered(configs["dq"])
     skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
@@ -1664,6 +1708,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             **config,
             SKEW=skew,
             POSITIONS=not configs.get("bands"),
+            order=state["order"],
         )
         if configs.get("bands"):
             config = configs["bands"]
@@ -1695,6 +1740,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         **config,
         SKEW=skew,
         BIAS_GRADS=in_dq,
+        order=state["order"],
     )
     return d_position.to(position.dtype), d_time.to(time.dtype)
 
