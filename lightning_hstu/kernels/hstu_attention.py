@@ -1430,10 +1430,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     program; absent or None: in the dq kernel). On CUDA, the fastest of the candidates timed on an H200 for
     heads of 128 and of 256 in bf16 (``benchmarks/hstu_attention_kernel.py --sweep`` and the comparisons in
     BENCHMARKS.md): both store the score gradients and sum the positions by bands; smaller tiles for fp32,
-    whose tiles take twice the shared memory, and the scores recomputed; the batch's longest blocks first
-    ``ORDER`` (``_program``; absent: "index"): the batch's longest blocks first at heads of 128 in bf16, the
-    longest sequences first at heads of 256 in bf16. Small tiles on the CPU (Triton's
-    interpreter: tests only)."""
+    whose tiles take twice the shared memory, and the scores recomputed. ``ORDER`` (``_program``; absent:
+    "index"): the batch's longest blocks first at heads of 128 in bf16, the longest sequences first at heads
+    of 256 in bf16. Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
