@@ -1471,8 +1471,10 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
 
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
+    """``configs`` after the checks below, each kernel's settings with its ``ORDER`` (absent: "index")."""
     for kind in ("fwd", "dkdv", "dq"):
-        if configs[kind].get("ORDER", "index") not in ORDERS:
+        configs[kind] = {"ORDER": "index", **configs[kind]}
+        if configs[kind]["ORDER"] not in ORDERS:
             raise ValueError(f"{kind}: ORDER must be one of {', '.join(ORDERS)}, got {configs[kind]['ORDER']!r}")
     if configs["bias_grads"] not in ("dkdv", "dq"):
         raise ValueError(
@@ -1585,14 +1587,9 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
     }[config["ORDER"]]
 
 
-def _ordered(config: dict) -> dict:
-    """A kernel's launch settings with its ``ORDER`` (absent: "index")."""
-    return {**config, "ORDER": config.get("ORDER", "index")}
-
-
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    if all(configs[kind].get("ORDER") != "sequences" for kind in ("fwd", "dkdv", "dq")):
+    if all(configs[kind]["ORDER"] != "sequences" for kind in ("fwd", "dkdv", "dq")):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
@@ -1623,7 +1620,7 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
     ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
     order = _sequence_order(offsets, configs)
-    config = _ordered(configs["fwd"])
+    config = configs["fwd"]
     _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
@@ -1660,7 +1657,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         ds, ds_head_rows = _ds_rows(offsets, q.shape[0], q.shape[1], max_len, ds_side, q.dtype)
     else:
         ds_head_rows = 0
-    config = _ordered(configs["dkdv"])
+    config = configs["dkdv"]
     _hstu_bwd_dkdv[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
         _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
         k,
@@ -1682,7 +1679,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         STORE_DS=store,
         order=state["order"],
     )
-    config = _ordered(configs["dq"])
+    config = configs["dq"]
     skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
     if store:
         _hstu_bwd_dq_stored[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
