@@ -46,6 +46,7 @@ POINTERS = {
     "d_position": "*fp32",
     "d_time": "*fp32",
     "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows
+    "order": "*i32",  # the sequences' indices by length (``ORDER="sequences"``)
 }
 KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
 STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
@@ -113,7 +114,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         STORE_DS=store,
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
-        **{"BIAS_GRADS": configs["bias_grads"] == kind, **config},  # --config may name BIAS_GRADS
+        **{"BIAS_GRADS": configs["bias_grads"] == kind, "ORDER": "index", **config},  # --config may name them
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature, attrs = {}, {}
