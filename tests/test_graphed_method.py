@@ -127,3 +127,29 @@ def test_grown_arguments_share_one_graph_and_a_replay_zeros_the_rows_an_earlier_
         for p, q in zip(ours.parameters(), theirs.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
     assert (graphed.eager_calls, graphed.replays, len(graphed.graphs)) == (2, 6, 1)
+
+
+@cuda
+def test_the_graphs_of_several_signatures_share_one_pool_and_replay_in_any_order():
+    """Calls of 4 and of 8 rows (not grown: two signatures) captured into one memory pool, where each
+    signature's graphs reuse the other's buffers, then replayed in turns and in runs: the same losses and
+    gradients as the eager method at every step."""
+    device = torch.device("cuda")
+    ours, theirs = twins(device)
+    graphed = GraphedMethod(ours, "losses", warmup=1)
+    for step, rows in enumerate([4, 8, 4, 4, 8, 8, 4, 8]):
+        if graphed.pending():
+            assert graphed.capture()
+        x = inputs(step, device, rows)
+        y = x.detach().clone().requires_grad_()
+        for p in [*ours.parameters(), *theirs.parameters()]:
+            p.grad = None
+        (loss,) = graphed(x)
+        (expected,) = theirs.losses(y)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, msg=f"step {step}")
+        torch.testing.assert_close(x.grad, y.grad, msg=f"step {step}")
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
+    assert (graphed.eager_calls, graphed.replays, len(graphed.graphs)) == (2, 6, 2)

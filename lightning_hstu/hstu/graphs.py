@@ -43,7 +43,13 @@ class GraphedMethod:
     storage moved (``param.data = ...``) the graphs no longer read it: they are dropped, and the calls run
     eagerly until captured again. Token-wise arguments can be grown to a fixed number of rows (``__call__``'s
     ``rows`` and ``grown``; the method must treat zero rows as no tokens), so that one graph serves calls of
-    any token count up to it."""
+    any token count up to it.
+
+    The signatures' graphs share one memory pool: the buffers one signature's forward leaves for its backward
+    are free again once that backward has run, and another signature's graphs reuse them, so the pool holds
+    about the largest signature's memory rather than the sum over signatures. That asks of the caller what
+    a training step does anyway: a forward's backward runs before the next forward of any signature.
+    """
 
     def __init__(
         self,
@@ -67,6 +73,7 @@ class GraphedMethod:
         self._parameters: tuple[nn.Parameter, ...] = ()
         self._passed: tuple[nn.Parameter, ...] = ()  # those whose gradient autograd delivers (no accumulator)
         self._addresses: tuple[int, ...] = ()
+        self._pool = None  # the graphs' memory pool, made at the first capture
 
     def __call__(
         self, *args: torch.Tensor, rows: int | None = None, grown: tuple[int, ...] = ()
@@ -116,10 +123,13 @@ class GraphedMethod:
         # The graphs read the parameters where they live: leaves of their own over the same storage (_Call).
         aliases = tuple(_alias(p) for p in self._parameters)
         into = tuple(self._accumulator(p) for p in self._parameters)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         for signature in self.pending():
             call = _Call(self.module, self.method, signature[-1])
             with torch.enable_grad():  # grad mode is thread-local: the capturing thread may not have it on
-                self.graphs[signature] = _Graphs(call, self._samples.pop(signature), aliases, into, self.warmup)
+                samples = self._samples.pop(signature)
+                self.graphs[signature] = _Graphs(call, samples, aliases, into, self.warmup, self._pool)
             captured.append(_describe(signature))
             log.info("%s: captured CUDA graphs (forward and backward) for inputs %s", self.name, captured[-1])
         return captured
@@ -137,6 +147,7 @@ class GraphedMethod:
             return True
         log.warning("%s: a parameter's storage moved since the capture: graphs dropped, running eagerly", self.name)
         self.graphs.clear()
+        self._pool = None
         self._calls.clear()
         self._told.clear()
         self._parameters = ()
@@ -146,10 +157,10 @@ class GraphedMethod:
 class _Graphs:
     """The forward and backward graphs of ``call(*inputs, *parameters)`` for one signature, recorded as
     ``torch.cuda.make_graphed_callables`` records them (warm-up iterations on a side stream, both graphs in
-    one memory pool), except that the backward graph also adds each parameter's gradient into its
+    the memory pool ``pool``), except that the backward graph also adds each parameter's gradient into its
     accumulator (``into``; None: the gradient is handed to autograd)."""
 
-    def __init__(self, call, samples: tuple[torch.Tensor, ...], aliases, into, warmup: int):
+    def __init__(self, call, samples: tuple[torch.Tensor, ...], aliases, into, warmup: int, pool):
         surface = (*samples, *aliases)
         wanted = [t for t in surface if t.requires_grad]
         torch.cuda.synchronize()
@@ -159,7 +170,6 @@ class _Graphs:
                 torch.autograd.grad(outputs, wanted, [torch.empty_like(o) for o in outputs], allow_unused=True)
             del outputs
         torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
         self.forward, self.backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward, pool=pool):
             self.outputs = tuple(call(*surface))
