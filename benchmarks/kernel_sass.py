@@ -112,8 +112,11 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         TIME_BLOCK=64,
         STORE_DS=store,
+        STORE_S=bool(configs.get("store_s")),  # the forward stores the scores, the dk/dv kernel reads them
+        SCORES_STORED=bool(configs.get("store_s")),
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
+        **({} if configs.get("store_s") else {"S": None, "s_side": None, "s_head_rows": None}),
         **{"BIAS_GRADS": configs["bias_grads"] == kind, "ORDER": "index", **config},  # --config may name them
     )
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
@@ -124,7 +127,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
             signature[name] = "constexpr"
         elif name in DESCRIPTORS[kind] and f"{name}.load(" in source:  # TMA descriptors of [tokens, heads, dim]
             signature[name] = f"tensordesc<bf16[{config[DESCRIPTORS[kind][name]]}, 1, {dim}]>"
-        elif name == "DS":  # the stored score gradients, [keys, queries] tiles
+        elif name in ("DS", "S"):  # the stored score gradients (the forward: scores), [keys, queries] tiles
             signature[name] = f"tensordesc<bf16[{config['BLOCK_N']}, {config['BLOCK_M']}]>"
         else:
             signature[name] = POINTERS.get(name, "i32")

@@ -87,13 +87,15 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "store_ds": True,
         "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
     },  # from the stored ones
-    # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order)
+    # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order);
+    # in the longest sequences' order as at heads of 256 in bf16: the forward's scores read by the dk/dv kernel
     **{
-        f"programs in {order} order{', score gradients stored' * store}": {
+        f"programs in {order} order{', score gradients stored' * store}{', scores stored' * scores}": {
             "store_ds": store,
+            "store_s": scores,
             **{kind: dict(BLOCK_M=16, BLOCK_N=16, ORDER=order) for kind in ("fwd", "dkdv", "dq")},
         }
-        for order, store in [("index", False), ("sequences", True), ("blocks", True)]
+        for order, store, scores in [("index", False, False), ("sequences", True, True), ("blocks", True, False)]
     },
 }
 
@@ -229,6 +231,27 @@ def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):
     assert max(errors.values()) < 1e-2, errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's memory statistics")
+def test_a_call_under_no_grad_stores_nothing_for_a_backward():
+    """At heads of 256 in bf16 the forward stores its scores for the dk/dv kernel (heads x tokens x max_len
+    elements); an evaluation under ``torch.no_grad`` must not pay for that memory."""
+    q, k, v, offsets, times, _ = jagged_batch([1, 70, 33], 2, 256, 256, 8, "cuda", torch.bfloat16)
+    bias = bias_tables(70, 8, "cuda")
+
+    def peak(grad: bool) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 70)
+        return torch.cuda.max_memory_allocated() - before
+
+    peak(True), peak(False)  # both compiled and warm
+    scores = 2 * (104 + 3 * 64) * 128 * 2  # bytes: heads x (tokens + a tile side per sequence) x 128 columns
+    with_grad, without = peak(True), peak(False)  # the peaks differ by the scores, less a few small temporaries
+    assert with_grad - without >= 0.9 * scores, (with_grad, without, scores)
+
+
 def test_bad_inputs_are_refused_with_the_shapes():
     q, k, v, offsets, times, _ = jagged_batch([3, 4], 2, 16, 16, 8, "cpu")
     bias = bias_tables(8, 8, "cpu")
@@ -249,7 +272,15 @@ def test_float_times_and_empty_tables_are_refused():
         kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time[:0], 8)
 
 
-@pytest.mark.parametrize("launch", ["bias gradients in dq", "score gradients stored", "position sums by bands"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        "bias gradients in dq",
+        "score gradients stored",
+        "position sums by bands",
+        "programs in sequences order, score gradients stored, scores stored",
+    ],
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_sequence_longer_than_max_len_leaves_the_others_gradients_alone(device, launch, monkeypatch):
     """``max_len`` below a sequence's length is a caller's error the kernel cannot see without a host sync;
@@ -291,6 +322,10 @@ def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeyp
         (
             {"store_ds": True, "bands": dict(BLOCK_M=32, BLOCK_N=16, CHUNK=2)},
             "bands: the tiles of a band must be square",
+        ),
+        (
+            {"store_s": True},
+            "store_s: the stored scores are read where the score gradients are stored",
         ),
         (
             {"dkdv": dict(BLOCK_M=16, BLOCK_N=16, ORDER="longest")},

@@ -30,6 +30,11 @@ max_len elements (0.76 GB at the seed benchmark's batch of 22,070 tokens), writt
 tile is causal; a sequence's rows start at its first token's row plus a tile side per sequence before it, so
 the kernels place them from the offsets alone. Not a [B, heads, L, L] tensor, but one that grows as
 tokens x max_len.
+Where the launch settings also say ``store_s`` (heads of 256 in bf16), the forward writes each causal tile's
+scores (bias included, in q's dtype, by TMA) into that buffer, made in the forward and kept for the backward,
+and the dk/dv kernel reads them (``SCORES_STORED``) instead of recomputing the product and the bias, then
+overwrites them with their gradients: a buffer per layer held from forward to backward, not only during one
+layer's backward. A call under ``torch.no_grad`` stores no scores.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
@@ -290,8 +295,8 @@ def _query_tile(
     RANGE_BLOCK: tl.constexpr,
 ):
     """For the query rows ``first:first + BLOCK_M`` and the keys ``k`` (``key:key + BLOCK_N``): SiLU of the
-    [queries, keys] scores (bias included) and its derivative, each pair's time bucket, and the tile's
-    bucket range."""
+    [queries, keys] scores (bias included) and its derivative, each pair's time bucket, the tile's bucket
+    range, and the scores."""
     cols = key + tl.arange(0, BLOCK_N)
     tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
@@ -312,7 +317,7 @@ def _query_tile(
     )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     p, dsilu = _silu(s, FAST)
-    return p, dsilu, bucket, low, high
+    return p, dsilu, bucket, low, high, s
 
 
 @triton.jit
@@ -345,13 +350,18 @@ def _fwd_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    S,
+    s_row,
+    STORE_S: tl.constexpr,
 ):
     """One [queries, keys] tile of the forward; the keys and values arrive by TMA (``K`` and ``V`` are
     descriptors of the [tokens, heads, dim] tensors; rows past the sequence's end belong to the next one or
-    are zero past the tensor's, and their pairs are masked)."""
+    are zero past the tensor's, and their pairs are masked). ``STORE_S``: the tile's scores also go to ``S``
+    (a descriptor of [keys, queries] rows, the sequence's and head's keys from row ``s_row``), by TMA, for the
+    dk/dv kernel."""
     k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
     v = tl.reshape(V.load([start + key, head, 0]), [BLOCK_N, BLOCK_D])
-    p, _, _, _, _ = _query_tile(
+    p, _, _, _, _, s = _query_tile(
         q,
         k,
         ts_i,
@@ -374,6 +384,8 @@ def _fwd_tile(
         BLOCK_N,
         RANGE_BLOCK,
     )
+    if STORE_S:
+        S.store([s_row + key, first], tl.trans(s).to(v.dtype))
     if MASKED:
         p = tl.where(rows[:, None] >= (key + tl.arange(0, BLOCK_N))[None, :], p, 0.0)
     return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -385,6 +397,9 @@ def _hstu_fwd(
     K,
     V,
     Out,
+    S,
+    s_side,
+    s_head_rows,
     offsets,
     tokens,
     timestamps,
@@ -408,6 +423,7 @@ def _hstu_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    STORE_S: tl.constexpr,
     ORDER: tl.constexpr,
     order,
 ):
@@ -429,6 +445,7 @@ def _hstu_fwd(
     ranges += 2 * seq * range_blocks
     ti_min, ti_max = _time_range(ranges, first, BLOCK_M, RANGE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    s_row = _ds_row(s_side, s_head_rows, start, seq, head, STORE_S)
     for key in range(0, first, BLOCK_N):  # keys before the block: every pair is causal
         acc = _fwd_tile(
             acc,
@@ -459,6 +476,9 @@ def _hstu_fwd(
             BLOCK_M,
             BLOCK_N,
             RANGE_BLOCK,
+            S,
+            s_row,
+            STORE_S,
         )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):  # the diagonal: masked
         acc = _fwd_tile(
@@ -490,6 +510,9 @@ def _hstu_fwd(
             BLOCK_M,
             BLOCK_N,
             RANGE_BLOCK,
+            S,
+            s_row,
+            STORE_S,
         )
     _store_rows(
         Out + start * stride_on + head * stride_oh, rows, row_ok, stride_on, acc / n.to(tl.float32), HIDDEN_DIM, BLOCK_D
@@ -655,34 +678,41 @@ def _dkdv_tile(
     DS,
     ds_row,
     STORE_DS: tl.constexpr,
+    SCORES_STORED: tl.constexpr,
 ):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed). The
     queries and their output gradients arrive by TMA (``Q`` and ``dOut`` are descriptors of the [tokens,
     heads, dim] tensors): rows past the sequence's end belong to the next one, so their pairs are masked.
     ``STORE_DS``: the tile's score gradients also go to ``DS`` (a descriptor of [keys, queries] rows; the
-    sequence's and head's keys from row ``ds_row``), by TMA."""
+    sequence's and head's keys from row ``ds_row``), by TMA. ``SCORES_STORED``: the forward left the tile's
+    scores (bias included) in ``DS`` at the same place: they are read there, not computed again, and the
+    score gradients take their place."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
     q_t = tl.trans(tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A]))  # [A, M]
     do = tl.reshape(dOut.load([start + row, head, 0]), [BLOCK_M, BLOCK_D])
-    ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
-    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
-    bias, bucket = _bias(
-        row - first,
-        tl.arange(0, BLOCK_M)[None, :] - tl.arange(0, BLOCK_N)[:, None],
-        ts_j[:, None],
-        (ts + tl.minimum(rows, n - 1))[None, :],
-        low,
-        high,
-        position_table,
-        time_table,
-        num_positions,
-        num_buckets,
-        MASKED,
-        CLAMP,
-        FAST,
-    )
-    s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
+    if SCORES_STORED:  # the forward's, and the bias gradients are summed in the dq kernel
+        s = DS.load([ds_row + first, row]).to(tl.float32)  # [N, M]
+        bucket, low, high = 0, 0, 0
+    else:
+        ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
+        low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
+        bias, bucket = _bias(
+            row - first,
+            tl.arange(0, BLOCK_M)[None, :] - tl.arange(0, BLOCK_N)[:, None],
+            ts_j[:, None],
+            (ts + tl.minimum(rows, n - 1))[None, :],
+            low,
+            high,
+            position_table,
+            time_table,
+            num_positions,
+            num_buckets,
+            MASKED,
+            CLAMP,
+            FAST,
+        )
+        s = tl.dot(k, q_t, input_precision=PRECISION) + bias  # [N, M]
     p, dsilu = _silu(s, FAST)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds = dp * dsilu
@@ -762,6 +792,7 @@ def _hstu_bwd_dkdv(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     STORE_DS: tl.constexpr,
+    SCORES_STORED: tl.constexpr,
     ORDER: tl.constexpr,
     order,
 ):
@@ -833,6 +864,7 @@ def _hstu_bwd_dkdv(
             DS,
             ds_row,
             STORE_DS,
+            SCORES_STORED,
         )
     for row in range(unmasked, n, BLOCK_M):
         dk, dv, dtime = _dkdv_tile(
@@ -877,6 +909,7 @@ def _hstu_bwd_dkdv(
             DS,
             ds_row,
             STORE_DS,
+            SCORES_STORED,
         )
     _store_rows(
         dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
@@ -929,7 +962,7 @@ def _dq_tile(
     cols = key + tl.arange(0, BLOCK_N)  # keys and values by TMA: rows past the sequence's end are masked below
     k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
     v = tl.reshape(V.load([start + key, head, 0]), [BLOCK_N, BLOCK_D])
-    _, dsilu, bucket, low, high = _query_tile(
+    _, dsilu, bucket, low, high, _ = _query_tile(
         q,
         k,
         ts_i,
@@ -1432,7 +1465,10 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     BENCHMARKS.md): both store the score gradients and sum the positions by bands; smaller tiles for fp32,
     whose tiles take twice the shared memory, and the scores recomputed. ``ORDER`` (``_program``; absent:
     "index"): the batch's longest blocks first at heads of 128 in bf16, the longest sequences first at heads
-    of 256 in bf16. Small tiles on the CPU (Triton's interpreter: tests only)."""
+    of 256 in bf16. ``store_s`` (heads of 256 in bf16; needs ``store_ds``): the forward stores the scores and
+    the dk/dv kernel reads them (its product and bias not recomputed: 18% faster, the forward 10% slower, for
+    a buffer of about heads x tokens x max_len per layer held from forward to backward). Small tiles on the CPU
+    (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
@@ -1451,6 +1487,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
+            "store_s": True,  # the dk/dv kernel reads the forward's scores
             "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),  # the position sums
         }
     if dtype == torch.float32:
@@ -1482,6 +1519,8 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         )
     if configs.get("store_ds") and configs["bias_grads"] != "dq":
         raise ValueError("store_ds: the dq kernel reads the stored score gradients and sums the bias gradients")
+    if configs.get("store_s") and not configs.get("store_ds"):
+        raise ValueError("store_s: the stored scores are read where the score gradients are stored (store_ds)")
     if configs.get("bands") and not configs.get("store_ds"):
         raise ValueError("bands: the position table's gradient by bands reads the stored score gradients (store_ds)")
     if configs.get("bands") and configs["bands"]["BLOCK_M"] != configs["bands"]["BLOCK_N"]:
@@ -1613,19 +1652,27 @@ def _sequences(q, offsets, timestamps, ranges, position, time) -> tuple:
     return offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time
 
 
-def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[torch.Tensor, dict]:
-    """The forward kernel's output and what the backward needs besides q, k, v and the inputs."""
+def _forward(q, k, v, offsets, timestamps, position, time, max_len, grads: bool) -> tuple[torch.Tensor, dict]:
+    """The forward kernel's output and what the backward needs besides q, k, v and the inputs (``grads``:
+    whether a backward may follow; if not, the scores are not stored)."""
     sizes = _sizes(q, v, position, time, max_len)
     configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
     ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
     order = _sequence_order(offsets, configs)
     config = configs["fwd"]
+    scores, side, head_rows = None, 0, 0
+    if grads and configs.get("store_s"):  # the backward's buffer of score gradients, the scores in it first
+        side = max(_tile_sides(configs))
+        scores, head_rows = _ds_rows(offsets, q.shape[0], q.shape[1], max_len, side, q.dtype)
     _hstu_fwd[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
         _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
         _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
         out,
+        None if scores is None else _ds_descriptor(scores, config),
+        side,
+        head_rows,
         *_sequences(q, offsets, timestamps, ranges, position, time),
         q.stride(0),
         q.stride(1),
@@ -1634,9 +1681,11 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len) -> tuple[tor
         **sizes,
         **config,
         RANGE_BLOCK=range_block,
+        STORE_S=scores is not None,
         order=order,
     )
-    return out, dict(max_len=max_len, sizes=sizes, configs=configs, range_block=range_block, ranges=ranges, order=order)
+    state = dict(max_len=max_len, sizes=sizes, configs=configs, range_block=range_block, ranges=ranges, order=order)
+    return out, {**state, "scores": scores, "scores_head_rows": head_rows}
 
 
 def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv):
@@ -1653,7 +1702,10 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
     in_dq = configs["bias_grads"] == "dq"  # which of the two kernels sums the bias gradients
     store = bool(configs.get("store_ds"))
     ds_side = max(_tile_sides(configs)) if store else 0
-    if store:
+    scores_stored = state["scores"] is not None
+    if scores_stored:  # the forward's scores, overwritten by their gradients (a second backward recomputes them)
+        ds, ds_head_rows, state["scores"] = state["scores"], state["scores_head_rows"], None
+    elif store:
         ds, ds_head_rows = _ds_rows(offsets, q.shape[0], q.shape[1], max_len, ds_side, q.dtype)
     else:
         ds_head_rows = 0
@@ -1677,6 +1729,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
         BIAS_GRADS=not in_dq,
         STORE_DS=store,
+        SCORES_STORED=scores_stored,
         order=state["order"],
     )
     config = configs["dq"]
@@ -1743,8 +1796,8 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
 
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len):
-        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len)
+    def forward(ctx, q, k, v, offsets, timestamps, position, time, max_len, grads):
+        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads)
         ctx.save_for_backward(q, k, v, offsets, timestamps, position, time)
         return out
 
@@ -1753,17 +1806,17 @@ class _HSTUAttention(torch.autograd.Function):
         q, k, v, offsets, timestamps, position, time = ctx.saved_tensors
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
-        return dq, dk, dv, None, None, d_position, d_time, None
+        return dq, dk, dv, None, None, d_position, d_time, None, None
 
 
 class _ProjectedAttention(torch.autograd.Function):
     """``projected_attention``: one gradient tensor for the projection, its parts written in place."""
 
     @staticmethod
-    def forward(ctx, uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim):
+    def forward(ctx, uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads):
         u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
         _check(q, k, v, offsets, timestamps, position, time)
-        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len)
+        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads)
         ctx.save_for_backward(uvqk, offsets, timestamps, position, time)
         ctx.dims = heads, attention_dim, hidden_dim
         return u.flatten(-2), out.flatten(-2)
@@ -1782,7 +1835,7 @@ class _ProjectedAttention(torch.autograd.Function):
             torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad.unflatten(-1, v.shape[-2:])
         )
         d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
-        return d_uvqk, None, None, d_position, d_time, None, None, None, None
+        return d_uvqk, None, None, d_position, d_time, None, None, None, None, None
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -1806,6 +1859,11 @@ def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
     return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split(widths, dim=-1), dims)]
 
 
+def _grads(*tensors: torch.Tensor) -> bool:
+    """Whether the autograd graph will hold the call (a backward may follow): not under ``torch.no_grad``."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1825,7 +1883,8 @@ def hstu_attention(
     rows past it get no output; ``HSTURecommender`` checks its batches' lengths on the host). Returns
     ``[N, heads, hidden_dim]`` in v's dtype; differentiable in q, k, v and both tables."""
     _check(q, k, v, offsets, timestamps, position, time)
-    return _HSTUAttention.apply(q, k, v, offsets, timestamps, position, time, max_len)
+    grads = _grads(q, k, v, position, time)
+    return _HSTUAttention.apply(q, k, v, offsets, timestamps, position, time, max_len, grads)
 
 
 def projected_attention(
@@ -1852,6 +1911,7 @@ def projected_attention(
             f"uvqk must be [tokens, heads * (2 hidden_dim + 2 attention_dim)] = [N, {width}] for heads={heads}, "
             f"attention_dim={attention_dim}, hidden_dim={hidden_dim}; got {tuple(uvqk.shape)}"
         )
+    grads = _grads(uvqk, position, time)
     return _ProjectedAttention.apply(
-        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim
+        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads
     )
