@@ -206,3 +206,18 @@ def test_a_rank_that_fails_between_epochs_ends_the_others_with_its_error(tmp_pat
     assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
     assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 at the end of epoch 0" in stderr
     assert "agreeing on the epoch's number of batches with the other ranks, on thread 'MainThread'" in stderr
+
+
+def test_a_rank_that_fails_before_the_first_epoch_ends_the_others_with_its_error(tmp_path):
+    """Rank 1's on_train_start raises (its process stays); rank 0 went on to epoch 0 and waited in the ranks'
+    agreement on its number of batches, which came before the engine and its step timeout existed, until rank
+    1's process ended (or the process groups' timeout on NCCL: 2 x step_timeout + 60 s). Now the engine starts
+    first and that agreement runs under its watch."""
+    from ranks import run_script
+
+    script = SCRIPT.parent / "peer_failure_two_ranks.py"
+    result = run_script(script, tmp_path, tmp_path, "start", timeout=55)
+    stderr = result.stderr
+    assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
+    assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 before the first epoch" in stderr
+    assert "agreeing on the epoch's number of batches with the other ranks, on thread 'MainThread'" in stderr

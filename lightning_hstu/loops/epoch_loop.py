@@ -60,6 +60,9 @@ class EngineEpochLoop(_TrainingEpochLoop):
     @override
     def run(self, data_fetcher: _DataFetcher) -> None:
         self._batches = None  # an epoch that an exception ended left its batches for a checkpoint; not this one's
+        # started first: the ranks' agreement below waits for the others, and the step timeout watches it there
+        # (a rank that failed before the first epoch ends the others with its error, not the groups' timeout)
+        engine = self._start_engine()
         self._agree_epoch_length()
         self.reset()
         self.on_run_start(data_fetcher)
@@ -85,7 +88,6 @@ class EngineEpochLoop(_TrainingEpochLoop):
             # or the fetcher would count them twice and declare the epoch over early
             data_fetcher.fetched -= start
             self._batches.skip(start)
-        engine = self._start_engine()
         try:
             with contextlib.closing(
                 engine.steps(self._batches, self._before_step, start=start, source=self._batches.describe())

@@ -1,14 +1,14 @@
 """Fits the toy recommender on two processes under ``HSTUPipelineStrategy("legacy_none", step_timeout=60)``,
 where rank 1's ``training_step`` raises at batch 3 (with ``validation``: its ``validation_step`` at validation
-batch 0 of the first epoch's end; with ``epoch_end``: its ``on_train_epoch_end`` after epoch 0 of two) and
-rank 1's process then stays (as a rank on NCCL whose peers do not see it end); run by test_watchdog_ranks.py
-(two CPU processes, gloo).
+batch 0 of the first epoch's end; with ``epoch_end``: its ``on_train_epoch_end`` after epoch 0 of two; with
+``start``: its ``on_train_start``, before the first epoch) and rank 1's process then stays (as a rank on NCCL
+whose peers do not see it end); run by test_watchdog_ranks.py (two CPU processes, gloo).
 
-    python peer_failure_two_ranks.py OUT_DIR [validation | epoch_end]
+    python peer_failure_two_ranks.py OUT_DIR [validation | epoch_end | start]
 
 Rank 0's step waits in the gradients' all-reduce for rank 1 (with ``validation``: rank 0's validation, at its
 end, in the reduction of the loss logged with ``sync_dist``; with ``epoch_end``: epoch 1's agreement on its
-number of batches), which never comes: the rank that ends it first says why. Each rank prints ``rank R: <the
+number of batches; with ``start``: epoch 0's), which never comes: the rank that ends it first says why. Each rank prints ``rank R: <the
 error's type>: <the error>`` on stderr when its fit raises; rank 0 then ends the rank it launched, and both
 exit with status 1 (rank 0 may also be ended by its watchdog).
 """
@@ -29,13 +29,18 @@ from lightning_runs import QUIET  # noqa: E402
 
 VALIDATION = sys.argv[2:] == ["validation"]
 EPOCH_END = sys.argv[2:] == ["epoch_end"]
+START = sys.argv[2:] == ["start"]
 
 
 class FailsOnRank1(ToyRecommender):
     def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 3 and not (VALIDATION or EPOCH_END):
+        if self.global_rank == 1 and batch_idx == 3 and not (VALIDATION or EPOCH_END or START):
             raise ValueError("injected failure on rank 1 at batch 3")
         return super().training_step(batch, batch_idx)
+
+    def on_train_start(self):
+        if self.global_rank == 1 and START:
+            raise ValueError("injected failure on rank 1 before the first epoch")
 
     def on_train_epoch_end(self):
         if self.global_rank == 1 and EPOCH_END:
