@@ -8,9 +8,9 @@ whose peers do not see it end); run by test_watchdog_ranks.py (two CPU processes
 
 Rank 0's step waits in the gradients' all-reduce for rank 1 (with ``validation``: rank 0's validation, at its
 end, in the reduction of the loss logged with ``sync_dist``; with ``epoch_end``: epoch 1's agreement on its
-number of batches; with ``start``: epoch 0's), which never comes: the rank that ends it first says why. Each rank prints ``rank R: <the
-error's type>: <the error>`` on stderr when its fit raises; rank 0 then ends the rank it launched, and both
-exit with status 1 (rank 0 may also be ended by its watchdog).
+number of batches; with ``start``: epoch 0's), which never comes: the rank that ends it first says why. Each
+rank prints ``rank R: <the error's type>: <the error>`` on stderr when its fit raises; rank 0 then ends the
+rank it launched, and both exit with status 1 (rank 0 may also be ended by its watchdog).
 """
 
 import sys
