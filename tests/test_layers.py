@@ -10,15 +10,26 @@ PACKAGE = Path(__file__).parents[1] / "lightning_hstu"
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
 
 
+def imported_by_the_package() -> set[str]:
+    """The subpackages ``lightning_hstu/__init__.py`` imports itself (``from .name...``)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level and node.module]
+    found = {node.module.split(".")[0] for node in relative}
+    return found & set(SUBPACKAGES)
+
+
 def test_each_subpackage_imports_alone_in_a_fresh_interpreter():
+    """``import lightning_hstu.name`` runs the package's ``__init__`` first, which imports some subpackages
+    itself: for those it is ``import lightning_hstu``, one interpreter for all of them."""
+    alone = [f"lightning_hstu.{name}" for name in SUBPACKAGES if name not in imported_by_the_package()]
     processes = {
         name: subprocess.Popen(
-            [sys.executable, "-c", f"import lightning_hstu.{name}"],
+            [sys.executable, "-c", f"import {name}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for name in SUBPACKAGES
+        for name in ["lightning_hstu", *alone]
     }
     failed = {}
     for name, process in processes.items():
