@@ -80,6 +80,27 @@ def test_the_replay_accumulates_into_the_given_buffers_and_sees_every_update():
     assert (graphed.eager_calls, graphed.replays) == (4, 6)
 
 
+def replay_beside_eager(graphed, ours, theirs, device, rows_per_step, **call):
+    """One step per entry of ``rows_per_step`` (inputs of that many rows), capturing first what is pending:
+    the graphed method (``call``: its keyword arguments) and the eager twin on the same inputs, their losses
+    and every gradient equal."""
+    for step, rows in enumerate(rows_per_step):
+        if graphed.pending():
+            assert graphed.capture()
+        x = inputs(step, device, rows)
+        y = x.detach().clone().requires_grad_()
+        for p in [*ours.parameters(), *theirs.parameters()]:
+            p.grad = None
+        (loss,) = graphed(x, **call)
+        (expected,) = theirs.losses(y)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, msg=f"step {step}")
+        torch.testing.assert_close(x.grad, y.grad, msg=f"step {step}")
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
+
+
 ROWS = [3, 5, 8, 2, 7, 4, 1, 8]
 """Row counts of the grown argument, each call's; zero rows add nothing to the bias-free ``Small``'s loss."""
 
@@ -111,21 +132,7 @@ def test_grown_arguments_share_one_graph_and_a_replay_zeros_the_rows_an_earlier_
     device = torch.device("cuda")
     ours, theirs = twins(device, bias=False)
     graphed = GraphedMethod(ours, "losses", warmup=2)
-    for step, rows in enumerate(ROWS):
-        if graphed.pending():
-            assert graphed.capture()
-        x = inputs(step, device, rows)
-        y = x.detach().clone().requires_grad_()
-        for p in [*ours.parameters(), *theirs.parameters()]:
-            p.grad = None
-        (loss,) = graphed(x, rows=8, grown=(0,))
-        (expected,) = theirs.losses(y)
-        loss.backward()
-        expected.backward()
-        torch.testing.assert_close(loss, expected, msg=f"step {step}")
-        torch.testing.assert_close(x.grad, y.grad, msg=f"step {step}")
-        for p, q in zip(ours.parameters(), theirs.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
+    replay_beside_eager(graphed, ours, theirs, device, ROWS, rows=8, grown=(0,))
     assert (graphed.eager_calls, graphed.replays, len(graphed.graphs)) == (2, 6, 1)
 
 
@@ -137,19 +144,5 @@ def test_the_graphs_of_several_signatures_share_one_pool_and_replay_in_any_order
     device = torch.device("cuda")
     ours, theirs = twins(device)
     graphed = GraphedMethod(ours, "losses", warmup=1)
-    for step, rows in enumerate([4, 8, 4, 4, 8, 8, 4, 8]):
-        if graphed.pending():
-            assert graphed.capture()
-        x = inputs(step, device, rows)
-        y = x.detach().clone().requires_grad_()
-        for p in [*ours.parameters(), *theirs.parameters()]:
-            p.grad = None
-        (loss,) = graphed(x)
-        (expected,) = theirs.losses(y)
-        loss.backward()
-        expected.backward()
-        torch.testing.assert_close(loss, expected, msg=f"step {step}")
-        torch.testing.assert_close(x.grad, y.grad, msg=f"step {step}")
-        for p, q in zip(ours.parameters(), theirs.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}")
+    replay_beside_eager(graphed, ours, theirs, device, [4, 8, 4, 4, 8, 8, 4, 8])
     assert (graphed.eager_calls, graphed.replays, len(graphed.graphs)) == (2, 6, 2)

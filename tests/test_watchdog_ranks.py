@@ -193,31 +193,21 @@ def test_a_rank_that_fails_in_validation_ends_the_others_with_its_error(tmp_path
     assert "rank 0: ending the process after another rank's failure" in stderr
 
 
-def test_a_rank_that_fails_between_epochs_ends_the_others_with_its_error(tmp_path):
-    """Rank 1's on_train_epoch_end raises after epoch 0 (its process stays); rank 0 went on to epoch 1 and
-    waited in the ranks' agreement on its number of batches, between epochs and outside any watch, until rank
-    1's process ended (or the process groups' timeout on NCCL). Now that agreement runs under the step
-    timeout too."""
+@pytest.mark.parametrize(
+    "mode, failure",
+    [("epoch_end", "at the end of epoch 0"), ("start", "before the first epoch")],
+)
+def test_a_rank_that_fails_between_epochs_ends_the_others_with_its_error(mode, failure, tmp_path):
+    """Rank 1 raises outside the steps and its process stays: in its on_train_epoch_end after epoch 0
+    (``epoch_end``), or in its on_train_start (``start``). Rank 0 went on to the next epoch and waited in the
+    ranks' agreement on its number of batches, outside any watch (epoch 0's came before the engine and its step
+    timeout existed), until rank 1's process ended (or the process groups' timeout on NCCL: 2 x step_timeout +
+    60 s). Now the engine starts before the first epoch's agreement and every agreement runs under its watch."""
     from ranks import run_script
 
     script = SCRIPT.parent / "peer_failure_two_ranks.py"
-    result = run_script(script, tmp_path, tmp_path, "epoch_end", timeout=55)
+    result = run_script(script, tmp_path, tmp_path, mode, timeout=55)
     stderr = result.stderr
     assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
-    assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 at the end of epoch 0" in stderr
-    assert "agreeing on the epoch's number of batches with the other ranks, on thread 'MainThread'" in stderr
-
-
-def test_a_rank_that_fails_before_the_first_epoch_ends_the_others_with_its_error(tmp_path):
-    """Rank 1's on_train_start raises (its process stays); rank 0 went on to epoch 0 and waited in the ranks'
-    agreement on its number of batches, which came before the engine and its step timeout existed, until rank
-    1's process ended (or the process groups' timeout on NCCL: 2 x step_timeout + 60 s). Now the engine starts
-    first and that agreement runs under its watch."""
-    from ranks import run_script
-
-    script = SCRIPT.parent / "peer_failure_two_ranks.py"
-    result = run_script(script, tmp_path, tmp_path, "start", timeout=55)
-    stderr = result.stderr
-    assert result.returncode == WATCHDOG_EXIT_CODE, stderr[-3000:]
-    assert "cannot finish: rank 1 failed: ValueError: injected failure on rank 1 before the first epoch" in stderr
+    assert f"cannot finish: rank 1 failed: ValueError: injected failure on rank 1 {failure}" in stderr
     assert "agreeing on the epoch's number of batches with the other ranks, on thread 'MainThread'" in stderr
