@@ -9,9 +9,11 @@ mask, attention in plain PyTorch over ``[B, heads, L, L]`` scores; the reference
 (``HSTUStack.jagged``): the tokens of every sequence back to back, ``[N, D]``, with offsets; the token-wise
 parts run on the real tokens only, and attention is either the fused Triton kernel
 (``kernels.hstu_attention``), which never makes an ``L x L`` tensor, or, on the CPU, the padded reference's
-attention over groups of sequences of like lengths (``GroupedTokens``). On CUDA the token-wise parts of each
-layer can be compiled by ``torch.compile`` (``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU,
-gating and residual add into one or two kernels where eager PyTorch runs one kernel per op.
+attention over groups of sequences of like lengths (``GroupedTokens``). The stack runs the token-wise parts
+from one attention to the next as one function (a layer's output, its residual add and the next layer's
+norm, f1 and SiLU: ``_layer_boundary``); on CUDA ``torch.compile`` can compile them
+(``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU, gating and residual add into one or two
+kernels where eager PyTorch runs one kernel per op.
 """
 
 import functools
@@ -136,15 +138,9 @@ class HSTULayer(nn.Module):
         self.f2 = nn.Linear(config.num_heads * config.hidden_dim, config.embedding_dim)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, tokens: "PaddedTokens | JaggedTokens | GroupedTokens") -> torch.Tensor:
-        """``x``: ``[B, L, D]`` with ``PaddedTokens`` or ``[N, D]`` with ``JaggedTokens`` or ``GroupedTokens``."""
-        h, a, d = self.heads, self.attention_dim, self.hidden_dim
-        compiled = getattr(tokens, "compiled", False)
-        inputs, output = _compiled_token_wise() if compiled else (_layer_inputs, _layer_output)
-        u, y = tokens.attention(inputs(self.norm, self.f1, x), h, a, d, self.bias)
-        if compiled:  # jagged: every row is a real token (or spare capacity), nothing to mask
-            return output(self.attention_norm, self.f2, self.dropout, x, y, u)
-        return x + tokens.keep(self.dropout(self.f2(self.attention_norm(y) * u)))
+    def attend(self, uvqk: torch.Tensor, tokens: "PaddedTokens | JaggedTokens | GroupedTokens"):
+        """U and the attention's output from the layer's projection ``uvqk`` (``_layer_inputs``)."""
+        return tokens.attention(uvqk, self.heads, self.attention_dim, self.hidden_dim, self.bias)
 
 
 def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -153,17 +149,59 @@ def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def _layer_output(
-    norm: nn.Module, f2: nn.Module, dropout: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor
+    norm: nn.Module,
+    f2: nn.Module,
+    dropout: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    u: torch.Tensor,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x + f2(Norm(A V) * U), with dropout before the residual add (jagged: no padding to keep)."""
-    return x + dropout(f2(norm(y) * u))
+    """x + f2(Norm(A V) * U), with dropout before the residual add; with ``mask`` (padded) the padding stays
+    as it came in."""
+    update = dropout(f2(norm(y) * u))
+    return x + (update if mask is None else update * mask[..., None])
+
+
+def _layer_boundary(
+    norm: nn.Module,
+    f2: nn.Module,
+    dropout: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    u: torch.Tensor,
+    mask: torch.Tensor | None,
+    next_norm: nn.Module,
+    next_f1: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What runs between two layers' attentions: a layer's output (the residual stream after it) and the
+    next layer's inputs computed from it."""
+    x = _layer_output(norm, f2, dropout, x, y, u, mask)
+    return x, _layer_inputs(next_norm, next_f1, x)
+
+
+def _stack_output(
+    norm: nn.Module,
+    f2: nn.Module,
+    dropout: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    u: torch.Tensor,
+    mask: torch.Tensor | None,
+    final_norm: nn.Module,
+) -> torch.Tensor:
+    """The last layer's output under the stack's norm."""
+    return final_norm(_layer_output(norm, f2, dropout, x, y, u, mask))
 
 
 @functools.cache
 def _compiled_token_wise():
-    """The two token-wise functions compiled once per process (the layers' modules are their arguments,
-    so every layer shares the compiled code); dynamic in the token count."""
-    return torch.compile(_layer_inputs, dynamic=True), torch.compile(_layer_output, dynamic=True)
+    """The token-wise functions compiled once per process (the layers' modules are their arguments, so
+    every layer shares the compiled code); dynamic in the token count. Each compiled function spans a layer
+    boundary (``_layer_boundary``): Inductor fuses the residual add into the next norm, and in backward the
+    residual stream's two gradients (through the next layer and past it) are added inside the norm's
+    backward kernel, where across two functions autograd adds them in a kernel of its own."""
+    return tuple(torch.compile(f, dynamic=True) for f in (_layer_inputs, _layer_boundary, _stack_output))
 
 
 class PaddedTokens(NamedTuple):
@@ -230,9 +268,6 @@ class JaggedTokens(NamedTuple):
             bias.time,
             self.max_len,
         )
-
-    def keep(self, y: torch.Tensor) -> torch.Tensor:
-        return y
 
 
 GROUP_OVERHEAD = 25_000
@@ -317,9 +352,6 @@ class GroupedTokens(NamedTuple):
         flat.append(uvqk.new_zeros(1, width))  # the rows of no sequence
         return uvqk[:, :width], torch.cat(flat).index_select(0, self.scatter)
 
-    def keep(self, y: torch.Tensor) -> torch.Tensor:
-        return y
-
 
 class HSTUStack(nn.Module):
     def __init__(self, config: HSTUConfig):
@@ -363,9 +395,21 @@ class HSTUStack(nn.Module):
         return self.input_dropout(x)
 
     def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens | GroupedTokens | None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, tokens)
-        return self.norm(x)
+        """The layers, their token-wise parts taken from one attention to the next (``_layer_boundary``);
+        compiled where the tokens say so (``JaggedTokens.compiled``)."""
+        if not len(self.layers):
+            return self.norm(x)
+        plain = (_layer_inputs, _layer_boundary, _stack_output)
+        inputs, boundary, output = _compiled_token_wise() if getattr(tokens, "compiled", False) else plain
+        mask = tokens.mask if isinstance(tokens, PaddedTokens) else None
+        uvqk = inputs(self.layers[0].norm, self.layers[0].f1, x)
+        for layer, following in zip(self.layers, self.layers[1:]):
+            u, y = layer.attend(uvqk, tokens)
+            parts = layer.attention_norm, layer.f2, layer.dropout
+            x, uvqk = boundary(*parts, x, y, u, mask, following.norm, following.f1)
+        last = self.layers[-1]
+        u, y = last.attend(uvqk, tokens)
+        return output(last.attention_norm, last.f2, last.dropout, x, y, u, mask, self.norm)
 
 
 class Padding:
