@@ -57,7 +57,7 @@ from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.tasks import GRAPH_TASKS
-from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
+from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, embedding_tables
 
 WORKLOADS = {
     "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
@@ -173,7 +173,11 @@ def run_pipeline(model, optimizer, autocast, device):
 def run_engine(model, optimizer, autocast, device, preset, capture=False):
     losses = []
     accumulators = model.dense_grads.accumulators()  # as HSTURecommender.hstu_graphs
-    graphed = GraphedMethod(model.objectives, "losses", max_graphs=6, accumulators=accumulators) if capture else None
+    graphed = (  # as many capacities as the user's path captures
+        GraphedMethod(model.objectives, "losses", max_graphs=JAGGED_GRAPHS, accumulators=accumulators)
+        if capture
+        else None
+    )
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
     engine = Engine(
         plan,
