@@ -133,7 +133,7 @@ def test_the_watchdog_stops_training_at_a_non_finite_loss():
 def test_the_watchdog_can_skip_the_step_instead():
     weights = DenseWeights()
     model, trainer, recorder = fit_hstu(SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[weights])
-    assert model.skipped_batches == [3]
+    assert model.skipped_batches == [(0, 3)]
     assert recorder.losses[3] == 0.0  # the skipped batch's loss is an exact zero, not NaN
     assert trainer.global_step == 12  # training went on to the end of the epoch
     for before, after in zip(weights.after[2], weights.after[3]):
@@ -145,14 +145,15 @@ def test_the_watchdog_can_skip_the_step_instead():
 
 @pytest.mark.usefixtures("no_thread_left")
 def test_fit_summary_does_not_count_a_skipped_batch_as_trained(capsys):
-    """12 batches of 8, batch 3 skipped (its step not applied): 88 samples trained; it printed 96 before."""
+    """Two epochs of 12 batches of 8, batch 3 of each skipped (its step not applied), each skip named with its
+    epoch: 176 samples trained; it printed 192 before."""
     from lightning_hstu.callbacks import FitSummary
 
     summary = FitSummary()
-    model, _, _ = fit_hstu(SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[summary])
-    assert model.skipped_batches == [3]
-    assert summary.samples == 88
-    assert "trained 88 samples in 1 epochs" in capsys.readouterr().out
+    model, _, _ = fit_hstu(SkipsNonFinite, epochs=2, limit_val_batches=0, callbacks=[summary])
+    assert model.skipped_batches == [(0, 3), (1, 3)]
+    assert summary.samples == 176
+    assert "trained 176 samples in 2 epochs" in capsys.readouterr().out
 
 
 @pytest.mark.usefixtures("no_thread_left")
@@ -164,7 +165,7 @@ def test_skip_at_the_last_batch_of_an_accumulation_window_still_applies_the_wind
     model, trainer, _ = fit_hstu(
         SkipsNonFinite, epochs=1, limit_val_batches=0, callbacks=[weights], accumulate_grad_batches=4
     )
-    assert model.skipped_batches == [3]
+    assert model.skipped_batches == [(0, 3)]
     assert not any(torch.equal(a, b) for a, b in zip(weights.after[2], weights.after[3]))  # the window's step
     assert all(torch.isfinite(p).all() for p in model.objectives.parameters())
 

@@ -42,7 +42,7 @@ class FitSummary(Callback):
         """Take out the samples of the batches skipped since the last call: a skip is agreed by every rank
         before backward, so every rank dropped that batch."""
         skipped = getattr(pl_module, "skipped_batches", ())
-        for index in skipped[self._skips_seen :]:
+        for _, index in skipped[self._skips_seen :]:  # (epoch, batch): this epoch's, as ``_sizes``
             self.samples -= self._sizes.pop(index, 0)
         self._skips_seen = len(skipped)
 

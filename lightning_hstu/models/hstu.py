@@ -176,8 +176,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         self.embeddings: ShardedEmbeddings | None = None
         self.balance_totals = [0.0, 0.0, 0]
         """Sums of the shuffler's max/mean rank cost before and after, and the number of global batches."""
-        self.skipped_batches: list[int] = []
-        """Batches whose step was skipped because a rank's loss was not finite."""
+        self.skipped_batches: list[tuple[int, int]] = []
+        """(epoch, batch index) of each batch whose step was skipped because a rank's loss was not finite."""
         self._nonfinite: set[int] = set()
         self._last_finite: tuple[int, int] | None = None
         """(epoch, batch) of the latest finite loss under "raise" and "skip"."""
@@ -360,7 +360,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             raise FloatingPointError(
                 f"non-finite loss at batch {index} (on at least one rank); the step was not applied"
             )
-        self.skipped_batches.append(index)
+        self.skipped_batches.append((self.current_epoch, index))
 
     # ----- under Lightning's own loop (HSTUPipelineStrategy(engine=False)): the same step, unpipelined --
 
