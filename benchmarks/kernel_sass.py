@@ -48,12 +48,13 @@ POINTERS = {
     "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows
     "order": "*i32",  # the sequences' indices by length (``ORDER="sequences"``)
 }
-KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq"}
+KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq", "dk": "_hstu_bwd_dk_stored"}
 STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
 DESCRIPTORS = {
     "fwd": {"K": "BLOCK_N", "V": "BLOCK_N"},
     "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"},
     "dq": {"K": "BLOCK_N", "V": "BLOCK_N"},
+    "dk": {"Q": "BLOCK_M"},
 }
 
 
@@ -114,6 +115,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         STORE_DS=store,
         STORE_S=bool(configs.get("store_s")),  # the forward stores the scores, the dk/dv kernel reads them
         SCORES_STORED=bool(configs.get("store_s")),
+        DK=not configs.get("dk"),  # the dk/dv kernel accumulates dk unless a dk kernel of its own does
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
         **({} if configs.get("store_s") else {"S": None, "s_side": None, "s_head_rows": None}),
@@ -141,7 +143,7 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", help="a copy of lightning_hstu/kernels/hstu_attention.py")
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), help="default: those the configs launch")
     parser.add_argument("--config", default="", help='overrides, e.g. "fwd:num_warps=8,maxnreg=128;dq:BLOCK_N=64"')
     parser.add_argument("--dump", help="a folder for each kernel's SASS and Triton GPU IR")
     parser.add_argument("--dim", type=int, default=128, choices=[64, 128, 256], help="heads' width (q, k, v)")
@@ -155,7 +157,7 @@ def main():
             configs[kind][key] = int(value)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     print(f"# triton {triton.__version__}, sm_90")
-    for kind in args.kernels:
+    for kind in args.kernels or [kind for kind in KERNELS if configs.get(kind)]:
         compiled = compile_kernel(module, kind, configs[kind], configs, args.dim)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "kernel.cubin")

@@ -87,6 +87,12 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "store_ds": True,
         "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
     },  # from the stored ones
+    # dk by a kernel of its own from the stored score gradients, on tiles other than the dk/dv kernel's
+    "dk from the stored score gradients": {
+        "store_ds": True,
+        "store_s": True,
+        "dk": dict(BLOCK_M=32, BLOCK_N=32, ORDER="sequences"),
+    },
     # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order);
     # in the longest sequences' order as at heads of 256 in bf16: the forward's scores read by the dk/dv kernel
     **{

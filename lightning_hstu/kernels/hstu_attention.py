@@ -35,6 +35,9 @@ scores (bias included, in q's dtype, by TMA) into that buffer, made in the forwa
 and the dk/dv kernel reads them (``SCORES_STORED``) instead of recomputing the product and the bias, then
 overwrites them with their gradients: a buffer per layer held from forward to backward, not only during one
 layer's backward. A call under ``torch.no_grad`` stores no scores.
+Where the launch settings name a ``dk`` kernel (heads of 256 in bf16), the dk/dv kernel accumulates dv
+alone and writes the score gradients; ``_hstu_bwd_dk_stored`` then makes dk from them, a plain product per
+tile with one accumulator (two accumulators of [keys, 256] fp32 filled the dk/dv kernel's registers).
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
@@ -679,6 +682,7 @@ def _dkdv_tile(
     ds_row,
     STORE_DS: tl.constexpr,
     SCORES_STORED: tl.constexpr,
+    DK: tl.constexpr,
 ):
     """One [keys, queries] tile (transposed, so that every product takes its left operand as computed). The
     queries and their output gradients arrive by TMA (``Q`` and ``dOut`` are descriptors of the [tokens,
@@ -686,10 +690,11 @@ def _dkdv_tile(
     ``STORE_DS``: the tile's score gradients also go to ``DS`` (a descriptor of [keys, queries] rows; the
     sequence's and head's keys from row ``ds_row``), by TMA. ``SCORES_STORED``: the forward left the tile's
     scores (bias included) in ``DS`` at the same place: they are read there, not computed again, and the
-    score gradients take their place."""
+    score gradients take their place. Not ``DK``: dk is left to ``_hstu_bwd_dk_stored`` (``dk`` passes through)."""
     rows = row + tl.arange(0, BLOCK_M)
     row_ok = rows < n
-    q_t = tl.trans(tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A]))  # [A, M]
+    if DK or not SCORES_STORED:
+        q_t = tl.trans(tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A]))  # [A, M]
     do = tl.reshape(dOut.load([start + row, head, 0]), [BLOCK_M, BLOCK_D])
     if SCORES_STORED:  # the forward's, and the bias gradients are summed in the dq kernel
         s = DS.load([ds_row + first, row]).to(tl.float32)  # [N, M]
@@ -724,9 +729,10 @@ def _dkdv_tile(
         p = tl.where(row_ok[None, :], p, 0.0)
         ds = tl.where(row_ok[None, :], ds, 0.0)
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-    dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
+    if DK:
+        dk += tl.dot(ds.to(do.dtype), tl.trans(q_t), input_precision=PRECISION)
     if STORE_DS:
-        DS.store([ds_row + first, row], ds.to(q_t.dtype))
+        DS.store([ds_row + first, row], ds.to(do.dtype))
     if BIAS_GRADS:
         dtime = _bias_grads(
             ds,
@@ -793,12 +799,18 @@ def _hstu_bwd_dkdv(
     RANGE_BLOCK: tl.constexpr,
     STORE_DS: tl.constexpr,
     SCORES_STORED: tl.constexpr,
+    DK: tl.constexpr,
     ORDER: tl.constexpr,
     order,
 ):
+    """dk, dv and the score gradients (stored where ``STORE_DS``) of a block of keys; dv and the score
+    gradients only where not ``DK`` (``_hstu_bwd_dk_stored`` then makes dk from them)."""
     seq, head, rank = _program(ORDER, order)
     if _is_tail(seq, ORDER):
-        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order)
+        if DK:
+            _zero_tail(
+                dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order
+            )
         _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, ORDER, order)
         return
     start, n = _sequence(offsets, seq)
@@ -815,7 +827,10 @@ def _hstu_bwd_dkdv(
     ranges += 2 * seq * range_blocks
     tj_min, tj_max = _time_range(ranges, first, BLOCK_N, RANGE_BLOCK)
     inv_n = 1.0 / n.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    if DK:
+        dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    else:  # nothing to carry
+        dk = tl.zeros([1, 1], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)  # the time table's gradient from this program's tiles
     ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, STORE_DS)
@@ -865,6 +880,7 @@ def _hstu_bwd_dkdv(
             ds_row,
             STORE_DS,
             SCORES_STORED,
+            DK,
         )
     for row in range(unmasked, n, BLOCK_M):
         dk, dv, dtime = _dkdv_tile(
@@ -910,10 +926,12 @@ def _hstu_bwd_dkdv(
             ds_row,
             STORE_DS,
             SCORES_STORED,
+            DK,
         )
-    _store_rows(
-        dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
-    )
+    if DK:
+        _store_rows(
+            dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
+        )
     _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM, BLOCK_D)
     if BIAS_GRADS:
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
@@ -1418,6 +1436,92 @@ def _hstu_bwd_dq_stored(
 
 
 @triton.jit
+def _dk_stored_tile(
+    dk,
+    DS,
+    ds_row,
+    first,
+    row,
+    n,
+    Q,
+    start,
+    head,
+    BLOCK_A: tl.constexpr,
+    MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One [keys, queries] tile of dk from the stored score gradients. ``MASK``: a tile on the diagonal or
+    past the sequence's end, whose entries the dk/dv kernel may not have written (its tiles can be smaller)."""
+    ds = DS.load([ds_row + first, row])
+    if MASK:
+        rows = row + tl.arange(0, BLOCK_M)[None, :]
+        ds = tl.where((rows >= first + tl.arange(0, BLOCK_N)[:, None]) & (rows < n), ds, 0.0).to(DS.dtype)
+    q = tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A])
+    return dk + tl.dot(ds, q, input_precision=PRECISION)
+
+
+@triton.jit
+def _hstu_bwd_dk_stored(
+    DS,
+    ds_side,
+    ds_head_rows,
+    Q,
+    dK,
+    offsets,
+    tokens,
+    stride_dkn,
+    stride_dkh,
+    ATTENTION_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
+):
+    """dk from the stored score gradients (``DS``, [keys, queries]): per block of keys, the product of its
+    rows with the queries from the diagonal on, one accumulator, where the dk/dv kernel would hold two."""
+    seq, head, rank = _program(ORDER, order)
+    if _is_tail(seq, ORDER):
+        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order)
+        return
+    start, n = _sequence(offsets, seq)
+    block = tl.cdiv(n, BLOCK_N) - _ranks(ORDER) + rank  # the first keys (most rows) first
+    if block < 0:
+        return
+    first = block * BLOCK_N
+    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, True)
+    start32 = start.to(tl.int32)
+    dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
+    full = (n // BLOCK_M) * BLOCK_M  # where the last, partial block of queries starts
+    for row in range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M):
+        dk = _dk_stored_tile(
+            dk, DS, ds_row, first, row, n, Q, start32, head, BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N
+        )
+    for row in range(unmasked, full, BLOCK_M):
+        dk = _dk_stored_tile(
+            dk, DS, ds_row, first, row, n, Q, start32, head, BLOCK_A, False, PRECISION, BLOCK_M, BLOCK_N
+        )
+    if (full >= unmasked) & (full < n):  # the last, partial block of queries
+        dk = _dk_stored_tile(
+            dk, DS, ds_row, first, full, n, Q, start32, head, BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N
+        )
+    cols = first + tl.arange(0, BLOCK_N)
+    _store_rows(
+        dK + start * stride_dkn + head * stride_dkh,
+        cols,
+        cols < n,
+        stride_dkn,
+        dk / n.to(tl.float32),
+        ATTENTION_DIM,
+        BLOCK_A,
+    )
+
+
+@triton.jit
 def _hstu_bwd_position_bands(
     DS,
     ds_side,
@@ -1468,7 +1572,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     of 256 in bf16. ``store_s`` (heads of 256 in bf16; needs ``store_ds``): the forward stores the scores and
     the dk/dv kernel reads them (its product and bias not recomputed: 18% faster, the forward 10% slower, for
     a buffer of about heads x tokens x max_len per layer held from forward to backward; its tiles of 32
-    queries then hold no spills, 9% faster than 64). Small tiles on the CPU
+    queries then hold no spills, 9% faster than 64). ``dk`` (needs ``store_ds``): dk from the stored score
+    gradients in a kernel of its own (``_hstu_bwd_dk_stored``, these launch settings), the dk/dv kernel then
+    holding dv's accumulator alone (heads of 256 in bf16: the two 33% faster than the dk/dv kernel with
+    both; on an H200 its tiles of 64 queries by 128 keys at 8 warps and 3 stages gave a wrong dk, at 2
+    stages or 4 warps a right one). Small tiles on the CPU
     (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
@@ -1484,7 +1592,8 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             }
         return {
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, ORDER="sequences"),
-            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, ORDER="sequences", num_warps=8, num_stages=3),
+            "dkdv": dict(BLOCK_M=32, BLOCK_N=64, ORDER="sequences", num_warps=4, num_stages=3),  # dv and ds only
+            "dk": dict(BLOCK_M=32, BLOCK_N=128, ORDER="sequences", num_warps=8, num_stages=4),  # from the stored ds
             "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
@@ -1510,7 +1619,9 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
     """``configs`` after the checks below, each kernel's settings with its ``ORDER`` (absent: "index")."""
-    for kind in ("fwd", "dkdv", "dq"):
+    for kind in ("fwd", "dkdv", "dq", "dk"):
+        if kind == "dk" and not configs.get("dk"):
+            continue
         configs[kind] = {"ORDER": "index", **configs[kind]}
         if configs[kind]["ORDER"] not in ORDERS:
             raise ValueError(f"{kind}: ORDER must be one of {', '.join(ORDERS)}, got {configs[kind]['ORDER']!r}")
@@ -1522,6 +1633,8 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         raise ValueError("store_ds: the dq kernel reads the stored score gradients and sums the bias gradients")
     if configs.get("store_s") and not configs.get("store_ds"):
         raise ValueError("store_s: the stored scores are read where the score gradients are stored (store_ds)")
+    if configs.get("dk") and not configs.get("store_ds"):
+        raise ValueError("dk: the dk kernel reads the stored score gradients (store_ds)")
     if configs.get("bands") and not configs.get("store_ds"):
         raise ValueError("bands: the position table's gradient by bands reads the stored score gradients (store_ds)")
     if configs.get("bands") and configs["bands"]["BLOCK_M"] != configs["bands"]["BLOCK_N"]:
@@ -1629,7 +1742,7 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
 
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    if all(configs[kind]["ORDER"] != "sequences" for kind in ("fwd", "dkdv", "dq")):
+    if all(configs[kind]["ORDER"] != "sequences" for kind in ("fwd", "dkdv", "dq", "dk") if configs.get(kind)):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
@@ -1731,8 +1844,27 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         BIAS_GRADS=not in_dq,
         STORE_DS=store,
         SCORES_STORED=scores_stored,
+        DK=not configs.get("dk"),
         order=state["order"],
     )
+    if configs.get("dk"):  # dk from the score gradients just stored
+        config = configs["dk"]
+        _hstu_bwd_dk_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
+            _ds_descriptor(ds, config),
+            ds_side,
+            ds_head_rows,
+            _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
+            dk,
+            offsets,
+            q.shape[0],
+            dk.stride(0),
+            dk.stride(1),
+            ATTENTION_DIM=sizes["ATTENTION_DIM"],
+            BLOCK_A=sizes["BLOCK_A"],
+            PRECISION=sizes["PRECISION"],
+            **config,
+            order=state["order"],
+        )
     config = configs["dq"]
     skew = triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1)
     if store:
