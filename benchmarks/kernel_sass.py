@@ -48,13 +48,20 @@ POINTERS = {
     "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows
     "order": "*i32",  # the sequences' indices by length (``ORDER="sequences"``)
 }
-KERNELS = {"fwd": "_hstu_fwd", "dkdv": "_hstu_bwd_dkdv", "dq": "_hstu_bwd_dq", "dk": "_hstu_bwd_dk_stored"}
+KERNELS = {
+    "fwd": "_hstu_fwd",
+    "dkdv": "_hstu_bwd_dkdv",
+    "dq": "_hstu_bwd_dq",
+    "dk": "_hstu_bwd_dk_stored",
+    "time": "_hstu_bwd_time_stored",
+}
 STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
 DESCRIPTORS = {
     "fwd": {"K": "BLOCK_N", "V": "BLOCK_N"},
     "dkdv": {"Q": "BLOCK_M", "dOut": "BLOCK_M"},
     "dq": {"K": "BLOCK_N", "V": "BLOCK_N"},
     "dk": {"Q": "BLOCK_M"},
+    "time": {},
 }
 
 
@@ -115,7 +122,8 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         STORE_DS=store,
         STORE_S=bool(configs.get("store_s")),  # the forward stores the scores, the dk/dv kernel reads them
         SCORES_STORED=bool(configs.get("store_s")),
-        DK=not configs.get("dk"),  # the dk/dv kernel accumulates dk unless a dk kernel of its own does
+        DK=kind == "dk" or not configs.get("dk"),  # the dk/dv kernel accumulates dk unless a dk kernel does
+        TIME=configs.get("time") == "dk" if kind == "dk" else configs.get("time") is None,  # where the time sums are
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
         **({} if configs.get("store_s") else {"S": None, "s_side": None, "s_head_rows": None}),
@@ -157,7 +165,7 @@ def main():
             configs[kind][key] = int(value)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     print(f"# triton {triton.__version__}, sm_90")
-    for kind in args.kernels or [kind for kind in KERNELS if configs.get(kind)]:
+    for kind in args.kernels or [kind for kind in KERNELS if isinstance(configs.get(kind), dict)]:
         compiled = compile_kernel(module, kind, configs[kind], configs, args.dim)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "kernel.cubin")

@@ -93,6 +93,19 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "store_s": True,
         "dk": dict(BLOCK_M=32, BLOCK_N=32, ORDER="sequences"),
     },
+    # the time table's gradient from the stored score gradients, in the dk kernel or in a pass of its own
+    "time sums in the dk kernel": {
+        "store_ds": True,
+        "store_s": True,
+        "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
+        "dk": dict(BLOCK_M=16, BLOCK_N=32),
+        "time": "dk",
+    },
+    "time sums in a pass of their own": {
+        "store_ds": True,
+        "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
+        "time": dict(BLOCK_M=32, BLOCK_N=16, ORDER="sequences"),
+    },
     # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order);
     # in the longest sequences' order as at heads of 256 in bf16: the forward's scores read by the dk/dv kernel
     **{
@@ -332,6 +345,18 @@ def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeyp
         (
             {"store_s": True},
             "store_s: the stored scores are read where the score gradients are stored",
+        ),
+        (
+            {"store_ds": True, "time": dict(BLOCK_M=16, BLOCK_N=16)},
+            "time: the time sums leave the dq kernel only with the position sums",
+        ),
+        (
+            {"store_ds": True, "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2), "time": "dk"},
+            "time: 'dk' sums the time gradients in the dk kernel, and the launch settings name none",
+        ),
+        (
+            {"dk": dict(BLOCK_M=16, BLOCK_N=16)},
+            "dk: the dk kernel reads the stored score gradients",
         ),
         (
             {"dkdv": dict(BLOCK_M=16, BLOCK_N=16, ORDER="longest")},

@@ -38,6 +38,9 @@ layer's backward. A call under ``torch.no_grad`` stores no scores.
 Where the launch settings name a ``dk`` kernel (heads of 256 in bf16), the dk/dv kernel accumulates dv
 alone and writes the score gradients; ``_hstu_bwd_dk_stored`` then makes dk from them, a plain product per
 tile with one accumulator (two accumulators of [keys, 256] fp32 filled the dk/dv kernel's registers).
+Where they also name a ``time`` pass, the time table's gradient is summed from the stored score gradients by
+a kernel of its own (``_hstu_bwd_time_stored``, per block of keys: a tile of one bucket by one sum, the
+others bucket by bucket), and the dq kernel makes dq alone.
 The bias gradients are sums of the score gradient over the pairs that share a table entry: per tile, the
 position table's (one entry per diagonal) from the tile with each row rotated by its index, summed over
 rows (in the dq kernel; the dk/dv kernel gathers each diagonal, a tile four times larger); the time
@@ -1228,43 +1231,46 @@ def _dq_stored_tile(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     POSITIONS: tl.constexpr,
+    TIME: tl.constexpr,
 ):
     """One [queries, keys] tile of dq from the score gradients the dk/dv kernel stored (keys by queries), and
-    its bias gradients (the position table's unless not ``POSITIONS``). Entries the dk/dv kernel did not
-    write (past the diagonal or the sequence's end, of tiles it did not visit) are masked here."""
+    its bias gradients (the position table's unless not ``POSITIONS``; none unless ``TIME``). Entries the
+    dk/dv kernel did not write (past the diagonal or the sequence's end, of tiles it did not visit) are masked
+    here."""
     cols = key + tl.arange(0, BLOCK_N)
     ds = tl.trans(DS.load([ds_row + key, first])).to(tl.float32)
     if MASKED:
         ds = tl.where((rows[:, None] >= cols[None, :]) & row_ok[:, None], ds, 0.0)
     elif LAST:
         ds = tl.where(row_ok[:, None], ds, 0.0)
-    tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
-    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
-    bucket = _buckets(
-        ts_i[:, None],
-        tl.broadcast_to((ts + tl.minimum(cols, n - 1))[None, :], (BLOCK_M, BLOCK_N)),
-        low,
-        high,
-        num_buckets,
-        FAST,
-    )
-    dtime = _bias_grads(
-        ds,
-        bucket,
-        low,
-        high,
-        first - key,
-        d_position,
-        dtime,
-        inv_n,
-        num_positions,
-        False,
-        BLOCK_M,
-        BLOCK_N,
-        SKEW,
-        TIME_BLOCK,
-        POSITIONS,
-    )
+    if TIME:
+        tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
+        low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
+        bucket = _buckets(
+            ts_i[:, None],
+            tl.broadcast_to((ts + tl.minimum(cols, n - 1))[None, :], (BLOCK_M, BLOCK_N)),
+            low,
+            high,
+            num_buckets,
+            FAST,
+        )
+        dtime = _bias_grads(
+            ds,
+            bucket,
+            low,
+            high,
+            first - key,
+            d_position,
+            dtime,
+            inv_n,
+            num_positions,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            SKEW,
+            TIME_BLOCK,
+            POSITIONS,
+        )
     k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
 
@@ -1297,12 +1303,13 @@ def _hstu_bwd_dq_stored(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
     POSITIONS: tl.constexpr,
+    TIME: tl.constexpr,
     ORDER: tl.constexpr,
     order,
 ):
     """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
     recomputes the scores and dP (two more). The position table's gradient only if ``POSITIONS`` (else
-    ``_hstu_bwd_position_bands`` sums it)."""
+    ``_hstu_bwd_position_bands`` sums it), the time table's only if ``TIME`` (else ``_hstu_bwd_dk_stored``)."""
     seq, head, rank = _program(ORDER, order)
     block = _ranks(ORDER) - 1 - rank  # the last rows (most keys) first
     if _is_tail(seq, ORDER):
@@ -1357,6 +1364,7 @@ def _hstu_bwd_dq_stored(
                 TIME_BLOCK,
                 RANGE_BLOCK,
                 POSITIONS,
+                TIME,
             )
     else:
         for key in range(0, first, BLOCK_N):
@@ -1393,6 +1401,7 @@ def _hstu_bwd_dq_stored(
                 TIME_BLOCK,
                 RANGE_BLOCK,
                 POSITIONS,
+                TIME,
             )
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):
         dq, dtime = _dq_stored_tile(
@@ -1428,16 +1437,51 @@ def _hstu_bwd_dq_stored(
             TIME_BLOCK,
             RANGE_BLOCK,
             POSITIONS,
+            TIME,
         )
     _store_rows(
         dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
     )
-    _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
+    if TIME:
+        _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
+
+
+@triton.jit
+def _time_tile_sums(
+    dtime,
+    ds,
+    row,
+    n,
+    ts,
+    ts_j,
+    ranges,
+    tj_min,
+    tj_max,
+    num_buckets,
+    BLOCK_M: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
+):
+    """Adds to ``dtime`` the sums per time bucket of a [keys, queries] tile ``ds`` (fp32, zero where no pair):
+    the tile's sum where its gaps share one bucket (from the blocks' time ranges), else each pair's bucket
+    from the two blocks' times (the keys' ``ts_j`` in registers) and one sum per bucket of the range."""
+    ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
+    low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
+    slots = tl.arange(0, TIME_BLOCK)
+    if low == high:
+        dtime += tl.where(slots == low, tl.sum(ds), 0.0)
+    else:
+        ts_i = tl.load(ts + tl.minimum(row + tl.arange(0, BLOCK_M), n - 1))
+        bucket = _bucket(ts_i[None, :] - ts_j[:, None], num_buckets)
+        for b in range(low, high + 1):
+            dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
+    return dtime
 
 
 @triton.jit
 def _dk_stored_tile(
     dk,
+    dtime,
     DS,
     ds_row,
     first,
@@ -1446,20 +1490,138 @@ def _dk_stored_tile(
     Q,
     start,
     head,
+    ts,
+    ts_j,
+    ranges,
+    tj_min,
+    tj_max,
+    num_buckets,
     BLOCK_A: tl.constexpr,
     MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DK: tl.constexpr,
+    TIME: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
 ):
-    """One [keys, queries] tile of dk from the stored score gradients. ``MASK``: a tile on the diagonal or
-    past the sequence's end, whose entries the dk/dv kernel may not have written (its tiles can be smaller)."""
+    """One [keys, queries] tile of the stored score gradients: its product with the queries into dk (if
+    ``DK``) and its sums per time bucket (if ``TIME``). ``MASK``: a tile on the diagonal or past the
+    sequence's end, whose entries the dk/dv kernel may not have written (its tiles can be smaller)."""
     ds = DS.load([ds_row + first, row])
+    rows = row + tl.arange(0, BLOCK_M)
     if MASK:
-        rows = row + tl.arange(0, BLOCK_M)[None, :]
-        ds = tl.where((rows >= first + tl.arange(0, BLOCK_N)[:, None]) & (rows < n), ds, 0.0).to(DS.dtype)
-    q = tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A])
-    return dk + tl.dot(ds, q, input_precision=PRECISION)
+        ds = tl.where((rows[None, :] >= first + tl.arange(0, BLOCK_N)[:, None]) & (rows[None, :] < n), ds, 0.0)
+        ds = ds.to(DS.dtype)
+    if DK:
+        q = tl.reshape(Q.load([start + row, head, 0]), [BLOCK_M, BLOCK_A])
+        dk += tl.dot(ds, q, input_precision=PRECISION)
+    if TIME:
+        dtime = _time_tile_sums(
+            dtime,
+            ds.to(tl.float32),
+            row,
+            n,
+            ts,
+            ts_j,
+            ranges,
+            tj_min,
+            tj_max,
+            num_buckets,
+            BLOCK_M,
+            TIME_BLOCK,
+            RANGE_BLOCK,
+        )
+    return dk, dtime
+
+
+@triton.jit
+def _keys_stored(
+    DS,
+    ds_side,
+    ds_head_rows,
+    Q,
+    dK,
+    d_time,
+    offsets,
+    tokens,
+    timestamps,
+    ranges,
+    range_blocks,
+    stride_dkn,
+    stride_dkh,
+    num_buckets,
+    ATTENTION_DIM: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DK: tl.constexpr,
+    TIME: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
+):
+    """One block of keys of ``_hstu_bwd_dk_stored`` (``DK``) or ``_hstu_bwd_time_stored`` (not ``DK``): its
+    tiles of the stored score gradients (``DS``, [keys, queries]) with the queries from the diagonal on, each
+    multiplied into dk's one accumulator (if ``DK``; the dk/dv kernel would hold two) and summed per time
+    bucket (if ``TIME``)."""
+    seq, head, rank = _program(ORDER, order)
+    if _is_tail(seq, ORDER):
+        if DK:
+            _zero_tail(
+                dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order
+            )
+        return
+    start, n = _sequence(offsets, seq)
+    block = tl.cdiv(n, BLOCK_N) - _ranks(ORDER) + rank  # the first keys (most rows) first
+    if block < 0:
+        return
+    first = block * BLOCK_N
+    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, True)
+    start32 = start.to(tl.int32)
+    cols = first + tl.arange(0, BLOCK_N)
+    ts = timestamps + start
+    ranges += 2 * seq * range_blocks
+    if TIME:
+        ts_j = tl.load(ts + tl.minimum(cols, n - 1))
+        tj_min, tj_max = _time_range(ranges, first, BLOCK_N, RANGE_BLOCK)
+    else:
+        ts_j, tj_min, tj_max = 0, 0, 0
+    if DK:
+        dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    else:  # nothing to carry
+        dk = tl.zeros([1, 1], dtype=tl.float32)
+    dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)
+    unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
+    full = (n // BLOCK_M) * BLOCK_M  # where the last, partial block of queries starts
+    for row in range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M):
+        dk, dtime = _dk_stored_tile(
+            dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
+            ts, ts_j, ranges, tj_min, tj_max, num_buckets,
+            BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
+        )  # fmt: skip
+    for row in range(unmasked, full, BLOCK_M):
+        dk, dtime = _dk_stored_tile(
+            dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
+            ts, ts_j, ranges, tj_min, tj_max, num_buckets,
+            BLOCK_A, False, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
+        )  # fmt: skip
+    if (full >= unmasked) & (full < n):  # the last, partial block of queries
+        dk, dtime = _dk_stored_tile(
+            dk, dtime, DS, ds_row, first, full, n, Q, start32, head,
+            ts, ts_j, ranges, tj_min, tj_max, num_buckets,
+            BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
+        )  # fmt: skip
+    inv_n = 1.0 / n.to(tl.float32)
+    if DK:
+        _store_rows(
+            dK + start * stride_dkn + head * stride_dkh, cols, cols < n, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
+        )
+    if TIME:
+        _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
 @triton.jit
@@ -1469,56 +1631,59 @@ def _hstu_bwd_dk_stored(
     ds_head_rows,
     Q,
     dK,
+    d_time,
     offsets,
     tokens,
+    timestamps,
+    ranges,
+    range_blocks,
     stride_dkn,
     stride_dkh,
+    num_buckets,
     ATTENTION_DIM: tl.constexpr,
     BLOCK_A: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TIME: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
     ORDER: tl.constexpr,
     order,
 ):
-    """dk from the stored score gradients (``DS``, [keys, queries]): per block of keys, the product of its
-    rows with the queries from the diagonal on, one accumulator, where the dk/dv kernel would hold two."""
-    seq, head, rank = _program(ORDER, order)
-    if _is_tail(seq, ORDER):
-        _zero_tail(dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order)
-        return
-    start, n = _sequence(offsets, seq)
-    block = tl.cdiv(n, BLOCK_N) - _ranks(ORDER) + rank  # the first keys (most rows) first
-    if block < 0:
-        return
-    first = block * BLOCK_N
-    ds_row = _ds_row(ds_side, ds_head_rows, start, seq, head, True)
-    start32 = start.to(tl.int32)
-    dk = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
-    unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
-    full = (n // BLOCK_M) * BLOCK_M  # where the last, partial block of queries starts
-    for row in range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M):
-        dk = _dk_stored_tile(
-            dk, DS, ds_row, first, row, n, Q, start32, head, BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N
-        )
-    for row in range(unmasked, full, BLOCK_M):
-        dk = _dk_stored_tile(
-            dk, DS, ds_row, first, row, n, Q, start32, head, BLOCK_A, False, PRECISION, BLOCK_M, BLOCK_N
-        )
-    if (full >= unmasked) & (full < n):  # the last, partial block of queries
-        dk = _dk_stored_tile(
-            dk, DS, ds_row, first, full, n, Q, start32, head, BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N
-        )
-    cols = first + tl.arange(0, BLOCK_N)
-    _store_rows(
-        dK + start * stride_dkn + head * stride_dkh,
-        cols,
-        cols < n,
-        stride_dkn,
-        dk / n.to(tl.float32),
-        ATTENTION_DIM,
-        BLOCK_A,
-    )
+    """dk from the stored score gradients, and the time table's gradient too if ``TIME`` (``_keys_stored``)."""
+    _keys_stored(
+        DS, ds_side, ds_head_rows, Q, dK, d_time, offsets, tokens, timestamps, ranges, range_blocks,
+        stride_dkn, stride_dkh, num_buckets, ATTENTION_DIM, BLOCK_A, PRECISION, BLOCK_M, BLOCK_N,
+        True, TIME, TIME_BLOCK, RANGE_BLOCK, ORDER, order,
+    )  # fmt: skip
+
+
+@triton.jit
+def _hstu_bwd_time_stored(
+    DS,
+    ds_side,
+    ds_head_rows,
+    d_time,
+    offsets,
+    tokens,
+    timestamps,
+    ranges,
+    range_blocks,
+    num_buckets,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TIME_BLOCK: tl.constexpr,
+    RANGE_BLOCK: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
+):
+    """The time table's gradient from the stored score gradients, a pass of its own (``_keys_stored``)."""
+    _keys_stored(
+        DS, ds_side, ds_head_rows, None, None, d_time, offsets, tokens, timestamps, ranges, range_blocks,
+        0, 0, num_buckets, 1, 1, "ieee", BLOCK_M, BLOCK_N,
+        False, True, TIME_BLOCK, RANGE_BLOCK, ORDER, order,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -1576,8 +1741,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     gradients in a kernel of its own (``_hstu_bwd_dk_stored``, these launch settings), the dk/dv kernel then
     holding dv's accumulator alone (heads of 256 in bf16: the two 33% faster than the dk/dv kernel with
     both; on an H200 its tiles of 64 queries by 128 keys at 8 warps and 3 stages gave a wrong dk, at 2
-    stages or 4 warps a right one). Small tiles on the CPU
-    (Triton's interpreter: tests only)."""
+    stages or 4 warps a right one). ``time`` (needs ``bands``): where the time table's gradient is summed
+    from the stored score gradients, None (absent) in the dq kernel, "dk" in the dk kernel, or the launch
+    settings of a pass of its own (``_hstu_bwd_time_stored``); the dq kernel then makes dq alone (heads of
+    256 in bf16: a pass of its own, and dq's tiles of 64 queries, 12% faster than the two kernels with the
+    sums in dq; in the dk kernel, slower). Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
@@ -1594,7 +1762,8 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, ORDER="sequences"),
             "dkdv": dict(BLOCK_M=32, BLOCK_N=64, ORDER="sequences", num_warps=4, num_stages=3),  # dv and ds only
             "dk": dict(BLOCK_M=32, BLOCK_N=128, ORDER="sequences", num_warps=8, num_stages=4),  # from the stored ds
-            "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),
+            "time": dict(BLOCK_M=64, BLOCK_N=64, ORDER="sequences", num_warps=4, num_stages=3),  # the time sums
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),  # dq alone
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
             "store_s": True,  # the dk/dv kernel reads the forward's scores
@@ -1619,8 +1788,8 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
 
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
     """``configs`` after the checks below, each kernel's settings with its ``ORDER`` (absent: "index")."""
-    for kind in ("fwd", "dkdv", "dq", "dk"):
-        if kind == "dk" and not configs.get("dk"):
+    for kind in ("fwd", "dkdv", "dq", "dk", "time"):
+        if kind in ("dk", "time") and not isinstance(configs.get(kind), dict):
             continue
         configs[kind] = {"ORDER": "index", **configs[kind]}
         if configs[kind]["ORDER"] not in ORDERS:
@@ -1635,6 +1804,10 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         raise ValueError("store_s: the stored scores are read where the score gradients are stored (store_ds)")
     if configs.get("dk") and not configs.get("store_ds"):
         raise ValueError("dk: the dk kernel reads the stored score gradients (store_ds)")
+    if configs.get("time") is not None and not configs.get("bands"):
+        raise ValueError("time: the time sums leave the dq kernel only with the position sums (bands)")
+    if configs.get("time") == "dk" and not configs.get("dk"):
+        raise ValueError("time: 'dk' sums the time gradients in the dk kernel, and the launch settings name none")
     if configs.get("bands") and not configs.get("store_ds"):
         raise ValueError("bands: the position table's gradient by bands reads the stored score gradients (store_ds)")
     if configs.get("bands") and configs["bands"]["BLOCK_M"] != configs["bands"]["BLOCK_N"]:
@@ -1742,7 +1915,8 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
 
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    if all(configs[kind]["ORDER"] != "sequences" for kind in ("fwd", "dkdv", "dq", "dk") if configs.get(kind)):
+    kinds = [kind for kind in ("fwd", "dkdv", "dq", "dk", "time") if isinstance(configs.get(kind), dict)]
+    if all(configs[kind]["ORDER"] != "sequences" for kind in kinds):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
@@ -1847,7 +2021,8 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         DK=not configs.get("dk"),
         order=state["order"],
     )
-    if configs.get("dk"):  # dk from the score gradients just stored
+    time_sums = configs.get("time")  # None: in the dq kernel; "dk": in the dk kernel; else a pass of its own
+    if configs.get("dk"):  # from the score gradients just stored
         config = configs["dk"]
         _hstu_bwd_dk_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
             _ds_descriptor(ds, config),
@@ -1855,13 +2030,31 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             ds_head_rows,
             _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
             dk,
-            offsets,
-            q.shape[0],
+            d_time,
+            *common[:5],
             dk.stride(0),
             dk.stride(1),
+            sizes["num_buckets"],
             ATTENTION_DIM=sizes["ATTENTION_DIM"],
             BLOCK_A=sizes["BLOCK_A"],
             PRECISION=sizes["PRECISION"],
+            TIME_BLOCK=constants["TIME_BLOCK"],
+            RANGE_BLOCK=constants["RANGE_BLOCK"],
+            **config,
+            TIME=time_sums == "dk",
+            order=state["order"],
+        )
+    if isinstance(time_sums, dict):
+        config = time_sums
+        _hstu_bwd_time_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
+            _ds_descriptor(ds, config),
+            ds_side,
+            ds_head_rows,
+            d_time,
+            *common[:5],
+            sizes["num_buckets"],
+            TIME_BLOCK=constants["TIME_BLOCK"],
+            RANGE_BLOCK=constants["RANGE_BLOCK"],
             **config,
             order=state["order"],
         )
@@ -1890,6 +2083,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             **config,
             SKEW=skew,
             POSITIONS=not configs.get("bands"),
+            TIME=time_sums is None,
             order=state["order"],
         )
         if configs.get("bands"):
