@@ -355,6 +355,10 @@ def test_stored_score_gradients_need_the_bias_gradients_in_the_dq_kernel(monkeyp
             "time: 'dk' sums the time gradients in the dk kernel, and the launch settings name none",
         ),
         (
+            {"store_ds": True, "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2), "time": "dq"},
+            "time: None \\(the time sums in the dq kernel\\), 'dk' or a pass's launch settings, got 'dq'",
+        ),
+        (
             {"dk": dict(BLOCK_M=16, BLOCK_N=16)},
             "dk: the dk kernel reads the stored score gradients",
         ),

@@ -1309,7 +1309,8 @@ def _hstu_bwd_dq_stored(
 ):
     """dq and the bias gradients from the stored score gradients: one product per tile where ``_hstu_bwd_dq``
     recomputes the scores and dP (two more). The position table's gradient only if ``POSITIONS`` (else
-    ``_hstu_bwd_position_bands`` sums it), the time table's only if ``TIME`` (else ``_hstu_bwd_dk_stored``)."""
+    ``_hstu_bwd_position_bands`` sums it), the time table's only if ``TIME`` (else the dk kernel or
+    ``_hstu_bwd_time_stored``)."""
     seq, head, rank = _program(ORDER, order)
     block = _ranks(ORDER) - 1 - rank  # the last rows (most keys) first
     if _is_tail(seq, ORDER):
@@ -1479,7 +1480,7 @@ def _time_tile_sums(
 
 
 @triton.jit
-def _dk_stored_tile(
+def _keys_stored_tile(
     dk,
     dtime,
     DS,
@@ -1598,19 +1599,19 @@ def _keys_stored(
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     full = (n // BLOCK_M) * BLOCK_M  # where the last, partial block of queries starts
     for row in range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M):
-        dk, dtime = _dk_stored_tile(
+        dk, dtime = _keys_stored_tile(
             dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
             ts, ts_j, ranges, tj_min, tj_max, num_buckets,
             BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
         )  # fmt: skip
     for row in range(unmasked, full, BLOCK_M):
-        dk, dtime = _dk_stored_tile(
+        dk, dtime = _keys_stored_tile(
             dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
             ts, ts_j, ranges, tj_min, tj_max, num_buckets,
             BLOCK_A, False, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
         )  # fmt: skip
     if (full >= unmasked) & (full < n):  # the last, partial block of queries
-        dk, dtime = _dk_stored_tile(
+        dk, dtime = _keys_stored_tile(
             dk, dtime, DS, ds_row, first, full, n, Q, start32, head,
             ts, ts_j, ranges, tj_min, tj_max, num_buckets,
             BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
@@ -1804,6 +1805,10 @@ def _checked(configs: dict[str, dict]) -> dict[str, dict]:
         raise ValueError("store_s: the stored scores are read where the score gradients are stored (store_ds)")
     if configs.get("dk") and not configs.get("store_ds"):
         raise ValueError("dk: the dk kernel reads the stored score gradients (store_ds)")
+    if not (configs.get("time") in (None, "dk") or isinstance(configs["time"], dict)):
+        raise ValueError(
+            f"time: None (the time sums in the dq kernel), 'dk' or a pass's launch settings, got {configs['time']!r}"
+        )
     if configs.get("time") is not None and not configs.get("bands"):
         raise ValueError("time: the time sums leave the dq kernel only with the position sums (bands)")
     if configs.get("time") == "dk" and not configs.get("dk"):
