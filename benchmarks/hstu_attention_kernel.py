@@ -62,13 +62,26 @@ SWEEP_WIDE = (  # the same for heads of 256: accumulators twice as wide
         for m, n, w, s in [(64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2)]
     ]
     + [
-        {"bands": None},  # the position sums in the stored dq kernel
+        {"dk": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(32, 128, 8, 3), (32, 64, 4, 4), (64, 128, 8, 2)]
+    ]
+    + [
+        {"time": dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)}
+        for m, n, w, s in [(64, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 3)]
+    ]
+    + [
+        {"time": None, "dq": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3)},  # the time sums in dq
+        {"dk": None, "dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3)},  # dk in the dk/dv kernel
+        {"time": None, "bands": None},  # the position and time sums in the stored dq kernel
         {"bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=64)},  # a band in one program
         {"bands": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3, CHUNK=32)},
-        {"store_ds": False, "bands": None},  # the dq kernel recomputes the scores and dP
-        {"store_ds": False, "bands": None, "bias_grads": "dkdv"},
+        {"store_ds": False, "store_s": False, "dk": None, "time": None, "bands": None},  # dq recomputes S, dP
+        {"store_ds": False, "store_s": False, "dk": None, "time": None, "bands": None, "bias_grads": "dkdv"},
         {
             "store_ds": False,
+            "store_s": False,
+            "dk": None,
+            "time": None,
             "bands": None,
             "bias_grads": "dkdv",
             "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
