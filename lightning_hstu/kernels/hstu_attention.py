@@ -1463,20 +1463,19 @@ def _time_tile_sums(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """Adds to ``dtime`` the sums per time bucket of a [keys, queries] tile ``ds`` (fp32, zero where no pair):
-    the tile's sum where its gaps share one bucket (from the blocks' time ranges), else each pair's bucket
-    from the two blocks' times (the keys' ``ts_j`` in registers) and one sum per bucket of the range."""
+    """Adds to ``dtime`` the sums per time bucket of a [keys, queries] tile ``ds`` (fp32, zero where no pair),
+    by ``_bias_grads`` (no position sums): the tile's sum where its gaps share one bucket (from the blocks'
+    time ranges), else each pair's bucket from the two blocks' times (the keys' ``ts_j`` in registers) and
+    one sum per bucket of the range."""
     ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
-    slots = tl.arange(0, TIME_BLOCK)
     if low == high:
-        dtime += tl.where(slots == low, tl.sum(ds), 0.0)
+        bucket = tl.full(ds.shape, 0, tl.int32) + low
     else:
         ts_i = tl.load(ts + tl.minimum(row + tl.arange(0, BLOCK_M), n - 1))
         bucket = _bucket(ts_i[None, :] - ts_j[:, None], num_buckets)
-        for b in range(low, high + 1):
-            dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
-    return dtime
+    BLOCK_N: tl.constexpr = ds.shape[0]
+    return _bias_grads(ds, bucket, low, high, 0, None, dtime, 1.0, 1, True, BLOCK_M, BLOCK_N, 1, TIME_BLOCK, False)
 
 
 @triton.jit
