@@ -1786,11 +1786,15 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     }
 
 
+def _launched(configs: dict) -> list[str]:
+    """The kernels these launch settings run: the forward, dk/dv and dq kernels always, the dk kernel and the
+    time pass where their settings are given (a dict)."""
+    return ["fwd", "dkdv", "dq", *(kind for kind in ("dk", "time") if isinstance(configs.get(kind), dict))]
+
+
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
     """``configs`` after the checks below, each kernel's settings with its ``ORDER`` (absent: "index")."""
-    for kind in ("fwd", "dkdv", "dq", "dk", "time"):
-        if kind in ("dk", "time") and not isinstance(configs.get(kind), dict):
-            continue
+    for kind in _launched(configs):
         configs[kind] = {"ORDER": "index", **configs[kind]}
         if configs[kind]["ORDER"] not in ORDERS:
             raise ValueError(f"{kind}: ORDER must be one of {', '.join(ORDERS)}, got {configs[kind]['ORDER']!r}")
@@ -1919,8 +1923,7 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
 
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    kinds = [kind for kind in ("fwd", "dkdv", "dq", "dk", "time") if isinstance(configs.get(kind), dict)]
-    if all(configs[kind]["ORDER"] != "sequences" for kind in kinds):
+    if all(configs[kind]["ORDER"] != "sequences" for kind in _launched(configs)):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
