@@ -8,7 +8,7 @@ import pickle
 import threading
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -275,7 +275,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._failed = False
         self._failure_key = None
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # for all_ranks() and any_rank(), and for all_ranks_have_batch()
+            # for all_ranks() and ask_any_rank(), and for all_ranks_have_batch()
             self._data_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.AGREEMENT_GROUP
             )
@@ -355,10 +355,20 @@ class HSTUPipelineStrategy(DDPStrategy):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._data_group)
         return tensor.item()
 
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is True on any rank (this rank's flag on a single process): "a rank received
-        SIGTERM", between steps. On the same gloo group as ``all_ranks``."""
-        return not _all_ranks_on(self._data_group, not flag)
+    def ask_any_rank(self, flag: bool) -> Callable[[], bool]:
+        """Starts "is ``flag`` True on any rank" (a rank received SIGTERM) without waiting, and returns the
+        function that waits for the answer (this rank's flag on a single process). On the same gloo group as
+        ``all_ranks``: every rank asks in the same order of that group's collectives (between two steps)."""
+        if self._data_group is None:
+            return lambda: flag
+        value = torch.tensor([int(not flag)], dtype=torch.int32)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self._data_group, async_op=True)
+
+        def answer() -> bool:
+            work.wait()
+            return not value.item()
+
+        return answer
 
     # ----- checkpoints: a directory through torch.distributed.checkpoint when tables are sharded ----------
 
