@@ -78,8 +78,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
             data_fetcher,
             start=start,
             stop=self.trainer.num_training_batches,
-            keep_states=self._strategy.plan.depth + 2,
-            all_ranks_have=self._strategy.all_ranks_have_batch,
+            keep_states=self._strategy.plan.depth + 3,
+            ask_all_ranks_have=self._strategy.ask_all_ranks_have_batch,
         )
         if start:
             self._check_resume(start)
