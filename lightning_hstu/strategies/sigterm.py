@@ -13,9 +13,8 @@ when any rank received SIGTERM, and no rank raises alone (a rank that stopped by
 or in validation, would leave the others waiting in their next collective). Each check asks the ranks
 without waiting and reads the answer at the next check, while the step between them runs: no rank waits
 for the others' hosts between two steps, and a SIGTERM stops the ranks one batch later than an answer
-waited for at once would. Elsewhere (one process,
-``engine=False``, validate, test, predict) the signal sets ``trainer.received_sigterm`` at once, as
-Lightning's handler does, and Lightning's loops act on it.
+waited for at once would. Elsewhere (one process, ``engine=False``, validate, test, predict) the signal
+sets ``trainer.received_sigterm`` at once, as Lightning's handler does, and Lightning's loops act on it.
 """
 
 import logging
