@@ -164,14 +164,14 @@ def main():
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
     base = "plain loop" if "plain loop" in times else "Lightning's loop, DDP"
-    plain = statistics.median(times[base])
+    reference = statistics.median(times[base])
     print(
         f"{'mode':40} {'us/step':>9} {'spread':>8} {'over plain' if base == 'plain loop' else 'over DDP':>11}"
         + ("  CPU us/step per thread" if args.thread_cpu else "")
     )
     for mode, values in times.items():
         median = statistics.median(values)
-        line = f"{mode:40} {median:9.1f} {max(values) - min(values):8.1f} {median - plain:+11.1f}"
+        line = f"{mode:40} {median:9.1f} {max(values) - min(values):8.1f} {median - reference:+11.1f}"
         if args.thread_cpu:
             names = sorted(
                 {n for t in threads[mode] for n in t},

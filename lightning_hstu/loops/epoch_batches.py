@@ -82,7 +82,6 @@ class EpochBatches:
         index = self.start  # the batch the next pull gives
         ended = False  # this rank has no batch left this epoch (its count reached, or its loader exhausted)
         asked: tuple[Any, bool, Callable[[], bool]] | None = None  # the batch pulled before, and its question
-        yielded = 0
         while True:
             batch, has_batch = None, False
             if not ended and index < self._stop:
@@ -103,10 +102,9 @@ class EpochBatches:
                         _warn_untrained(index - 1)
                     break
                 yield earlier
-                yielded += 1
             asked = (batch, has_batch, answer)
             index += 1
-        self.count = yielded
+        self.count = index - 1 - self.start  # every batch before the last one asked about
 
     def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
         """The stateful loaders' state when they had produced ``produced`` batches of this epoch."""

@@ -256,7 +256,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if step < self._batches.start:
             return True  # the fill
         trainer = self.trainer
-        if self._agreed_sigterm():
+        if self._strategy.sigterm.agreed:
             self._broadcast_sigterm_tensor()
         batch = self._engine.slots(step)["shuffled_batch"]
         batch_idx = step  # == self.batch_idx + 1: the engine numbers batches as the epoch does
@@ -285,15 +285,10 @@ class EngineEpochLoop(_TrainingEpochLoop):
         """At the end of an epoch on several ranks: the last batch's SIGTERM check answered and the ranks asked
         once more (``SigtermNotice.settle``), so that no check stays open past the epoch. A failed check does
         not stop training, as Lightning's per-batch check."""
-        if not self._agreed_sigterm():
+        if not self._strategy.sigterm.agreed:
             return
         with engine.watched("the ranks' SIGTERM check at the end of the epoch"), contextlib.suppress(Exception):
             self._strategy.sigterm.settle(self._strategy.ask_any_rank)
-
-    def _agreed_sigterm(self) -> bool:
-        """The ranks agree on SIGTERM between steps (several ranks)."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        return distributed and self.trainer.world_size > 1
 
     @override
     def _broadcast_sigterm_tensor(self) -> None:

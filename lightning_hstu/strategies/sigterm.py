@@ -62,7 +62,7 @@ class SigtermNotice:
         if answer is not None and answer():
             self.trainer._signal_connector.received_sigterm = True
             return True
-        self._answer = ask(self.received or self.trainer._signal_connector.received_sigterm)
+        self._answer = ask(self._here())
         return False
 
     def settle(self, ask: Callable[[bool], Callable[[], bool]]) -> None:
@@ -71,9 +71,13 @@ class SigtermNotice:
         received during the epoch, its last step included, is known to every rank at its end: then
         ``trainer.received_sigterm`` is set, and the next check (before the next epoch's first batch) stops."""
         answer, self._answer = self._answer, None
-        if (answer is not None and answer()) or ask(self.received or self.trainer._signal_connector.received_sigterm)():
+        if (answer is not None and answer()) or ask(self._here())():
             self.trainer._signal_connector.received_sigterm = True
             self._answer = _yes
+
+    def _here(self) -> bool:
+        """This rank's flag for the ranks' question: it received SIGTERM (or the trainer already knows of one)."""
+        return self.received or self.trainer._signal_connector.received_sigterm
 
     def forget(self) -> None:
         """After an exception ended an epoch: the open question is left to its collective (every rank asked
