@@ -114,7 +114,8 @@ def test_the_sigterm_check_stops_every_rank_when_any_rank_received_it(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         saved = torch.load(out / f"rank{rank}.pt", weights_only=False)
-        assert saved["raised"] == {(False, False): False, (False, True): True, (True, False): True, (True, True): True}
+        expected = {(False, False): False, (False, True): True, (True, False): True, (True, True): True}
+        assert saved["raised"] == expected, rank
         assert not any(saved["raised_when_asked"].values()), rank
 
 
