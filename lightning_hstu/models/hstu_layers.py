@@ -11,9 +11,10 @@ parts run on the real tokens only, and attention is either the fused Triton kern
 (``kernels.hstu_attention``), which never makes an ``L x L`` tensor, or, on the CPU, the padded reference's
 attention over groups of sequences of like lengths (``GroupedTokens``). The stack runs the token-wise parts
 from one attention to the next as one function (a layer's output, its residual add and the next layer's
-norm, f1 and SiLU: ``_layer_boundary``); on CUDA ``torch.compile`` can compile them
-(``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU, gating and residual add into one or two
-kernels where eager PyTorch runs one kernel per op.
+norm, f1 and SiLU: ``_layer_boundary``; with the fused kernel the SiLU is the attention's own, whose
+backward kernels store the gradients with respect to f1's output); on CUDA ``torch.compile`` can compile
+them (``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU, gating and residual add into one or
+two kernels where eager PyTorch runs one kernel per op.
 """
 
 import functools
