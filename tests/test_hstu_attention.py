@@ -298,6 +298,9 @@ def test_float_times_and_empty_tables_are_refused():
         "score gradients stored",
         "position sums by bands",
         "programs in sequences order, score gradients stored, scores stored",
+        "dk from the stored score gradients",
+        "time sums in the dk kernel",
+        "time sums in a pass of their own",
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)

@@ -1463,20 +1463,19 @@ def _time_tile_sums(
     TIME_BLOCK: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
 ):
-    """Adds to ``dtime`` the sums per time bucket of a [keys, queries] tile ``ds`` (fp32, zero where no pair):
-    the tile's sum where its gaps share one bucket (from the blocks' time ranges), else each pair's bucket
-    from the two blocks' times (the keys' ``ts_j`` in registers) and one sum per bucket of the range."""
+    """Adds to ``dtime`` the sums per time bucket of a [keys, queries] tile ``ds`` (fp32, zero where no pair),
+    by ``_bias_grads`` (no position sums): the tile's sum where its gaps share one bucket (from the blocks'
+    time ranges), else each pair's bucket from the two blocks' times (the keys' ``ts_j`` in registers) and
+    one sum per bucket of the range."""
     ti_min, ti_max = _time_range(ranges, row, BLOCK_M, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
-    slots = tl.arange(0, TIME_BLOCK)
     if low == high:
-        dtime += tl.where(slots == low, tl.sum(ds), 0.0)
+        bucket = tl.full(ds.shape, 0, tl.int32) + low
     else:
         ts_i = tl.load(ts + tl.minimum(row + tl.arange(0, BLOCK_M), n - 1))
         bucket = _bucket(ts_i[None, :] - ts_j[:, None], num_buckets)
-        for b in range(low, high + 1):
-            dtime += tl.where(slots == b, tl.sum(tl.where(bucket == b, ds, 0.0)), 0.0)
-    return dtime
+    BLOCK_N: tl.constexpr = ds.shape[0]
+    return _bias_grads(ds, bucket, low, high, 0, None, dtime, 1.0, 1, True, BLOCK_M, BLOCK_N, 1, TIME_BLOCK, False)
 
 
 @triton.jit
@@ -1787,11 +1786,15 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     }
 
 
+def _launched(configs: dict) -> list[str]:
+    """The kernels these launch settings run: the forward, dk/dv and dq kernels always, the dk kernel and the
+    time pass where their settings are given (a dict)."""
+    return ["fwd", "dkdv", "dq", *(kind for kind in ("dk", "time") if isinstance(configs.get(kind), dict))]
+
+
 def _checked(configs: dict[str, dict]) -> dict[str, dict]:
     """``configs`` after the checks below, each kernel's settings with its ``ORDER`` (absent: "index")."""
-    for kind in ("fwd", "dkdv", "dq", "dk", "time"):
-        if kind in ("dk", "time") and not isinstance(configs.get(kind), dict):
-            continue
+    for kind in _launched(configs):
         configs[kind] = {"ORDER": "index", **configs[kind]}
         if configs[kind]["ORDER"] not in ORDERS:
             raise ValueError(f"{kind}: ORDER must be one of {', '.join(ORDERS)}, got {configs[kind]['ORDER']!r}")
@@ -1920,8 +1923,7 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
 
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    kinds = [kind for kind in ("fwd", "dkdv", "dq", "dk", "time") if isinstance(configs.get(kind), dict)]
-    if all(configs[kind]["ORDER"] != "sequences" for kind in kinds):
+    if all(configs[kind]["ORDER"] != "sequences" for kind in _launched(configs)):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
