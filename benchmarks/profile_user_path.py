@@ -11,7 +11,8 @@ rows do (torch's AdamW stepping eagerly, no check of the loss: ``--on-nonfinite-
 that the user's path minus it, the strategy's own cost, is timed process against process;
 ``--eager-optimizer`` runs the user's path with torch's AdamW stepping eagerly too (``hstu_pipelines.py``'s
 ``EagerOptimizerStep``), the optimizer the Engine rows use.
-Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes.
+Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes;
+``--compile-layers`` builds the model with ``compile_layers=True`` (``hstu_pipelines.py --compile-layers on``).
 
 Two diagnostics of the steady state, from the end of the warmup on:
 
@@ -106,6 +107,9 @@ def main():
     parser.add_argument("--batches", type=int, default=110, help="distinct batches, cycled (the benchmark's 10 + 100)")
     parser.add_argument("--ready", default="/tmp/profile_ready")
     parser.add_argument("--small", action="store_true", help="hstu_pipelines.py's tiny sizes (for a CPU run)")
+    parser.add_argument(
+        "--compile-layers", action="store_true", help="HSTURecommender(compile_layers=True), as hstu_pipelines.py's"
+    )
     parser.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU per call site")
     parser.add_argument("--trace", help="write a torch.profiler Chrome trace of --trace-steps steps to this file")
     parser.add_argument("--trace-steps", type=int, default=20)
@@ -146,7 +150,7 @@ def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29518")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    sizes = SMALL if args.small else WORKLOADS[args.workload]
+    sizes = {**(SMALL if args.small else WORKLOADS[args.workload]), "compile_layers": args.compile_layers}
     num_items = 1000 if args.small else 1_000_000
     batches = make_batches(args.batches, 32, sizes["max_len"], num_items, 16)
     total = args.warmup + args.steps

@@ -8,10 +8,12 @@ the loops' own host work per step. On a GPU machine that work runs on the host w
 and competes for the GIL with the threads that launch the step.
 
     python benchmarks/strategy_overhead.py [--steps 3000] [--repeats 5] [--presets legacy_none default_d6] \
-        [--pin-threads CORE]
+        [--pin-threads CORE] [--devices 2]
 
 Prints per mode the median over repeats of the us per step (each repeat a fresh Trainer; the first
-``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop.
+``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop. With
+``--devices N`` (N > 1) every mode runs on N gloo ranks that Lightning's launcher starts (rank 0 prints;
+the plain loop and the single-device loop are left out, the differences are to Lightning's DDP loop).
 """
 
 import argparse
@@ -74,8 +76,9 @@ def per_step_us(start: tuple, end: tuple, steps: int) -> tuple[float, dict[str, 
     return (ended - began) * 1e6 / steps, {name: us for name, us in threads.items() if us >= 1.0}
 
 
-def loader(steps: int) -> DataLoader:
-    return DataLoader(TensorDataset(torch.randn(steps, 4)), batch_size=1)
+def loader(steps: int, ranks: int = 1) -> DataLoader:
+    """Batches of one sample, ``steps`` of them on each of ``ranks`` ranks (Lightning's sampler shares them)."""
+    return DataLoader(TensorDataset(torch.randn(steps * ranks, 4)), batch_size=1)
 
 
 def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
@@ -91,11 +94,13 @@ def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
     return per_step_us(start, (time.perf_counter(), _thread_cpu_s()), steps - warmup)
 
 
-def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tuple[float, dict[str, float]]:
+def trainer_us(
+    steps: int, warmup: int, strategy, pin: int | None = None, devices: int = 1
+) -> tuple[float, dict[str, float]]:
     clock = _Clock(warmup, steps, pin)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         logger=False,
@@ -105,7 +110,7 @@ def trainer_us(steps: int, warmup: int, strategy, pin: int | None = None) -> tup
         callbacks=[clock],
     )
     try:
-        trainer.fit(Tiny(), loader(steps))
+        trainer.fit(Tiny(), loader(steps, devices))
     finally:
         if clock.pin is not None:
             clock.pin.release()  # the caller's thread back on its cores
@@ -123,15 +128,18 @@ def main():
     parser.add_argument(
         "--pin-threads", type=int, metavar="CORE", help="also each preset with HSTUPipelineStrategy(pin_threads=CORE)"
     )
+    parser.add_argument("--devices", type=int, default=1, help="gloo ranks (processes) per mode")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and on the process group, every fit
 
     def fit(strategy):
-        return lambda: trainer_us(args.steps, args.warmup, strategy(), args.pin_python_threads)
+        return lambda: trainer_us(args.steps, args.warmup, strategy(), args.pin_python_threads, args.devices)
 
-    modes = {"plain loop": lambda: plain_us(args.steps, args.warmup)}
-    modes["Lightning's loop"] = fit(lambda: "auto")
-    modes["Lightning's loop, DDP"] = fit(lambda: "ddp")  # what the strategy builds on: DDP over one process
+    modes = {}
+    if args.devices == 1:
+        modes["plain loop"] = lambda: plain_us(args.steps, args.warmup)
+        modes["Lightning's loop"] = fit(lambda: "auto")
+    modes["Lightning's loop, DDP"] = fit(lambda: "ddp")  # what the strategy builds on (on one process: DDP over it)
     modes["user's path, engine=False"] = fit(lambda: HSTUPipelineStrategy(engine=False))
     for preset in args.presets:
         modes[f"user's path, {preset}"] = fit(lambda p=preset: HSTUPipelineStrategy(p))
@@ -147,19 +155,23 @@ def main():
             wall, per_thread = run()
             times[mode].append(wall)
             threads[mode].append(per_thread)
+    if int(os.environ.get("LOCAL_RANK", 0)):
+        return  # rank 0 prints
     pinned = f"; Python threads on core {args.pin_python_threads}" if args.pin_python_threads is not None else ""
     print(
-        f"# {platform.processor() or 'cpu'}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"{args.steps - args.warmup} timed steps, median of {args.repeats}{pinned}; {time.strftime('%Y-%m-%d %H:%M')}"
+        f"# {platform.processor() or 'cpu'}, {os.cpu_count()} cores, torch {torch.__version__}; {args.devices} "
+        f"rank(s); {args.steps - args.warmup} timed steps, median of {args.repeats}{pinned}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
-    plain = statistics.median(times["plain loop"])
+    base = "plain loop" if "plain loop" in times else "Lightning's loop, DDP"
+    reference = statistics.median(times[base])
     print(
-        f"{'mode':40} {'us/step':>9} {'spread':>8} {'over plain':>11}"
+        f"{'mode':40} {'us/step':>9} {'spread':>8} {'over plain' if base == 'plain loop' else 'over DDP':>11}"
         + ("  CPU us/step per thread" if args.thread_cpu else "")
     )
     for mode, values in times.items():
         median = statistics.median(values)
-        line = f"{mode:40} {median:9.1f} {max(values) - min(values):8.1f} {median - plain:+11.1f}"
+        line = f"{mode:40} {median:9.1f} {max(values) - min(values):8.1f} {median - reference:+11.1f}"
         if args.thread_cpu:
             names = sorted(
                 {n for t in threads[mode] for n in t},

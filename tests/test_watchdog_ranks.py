@@ -116,7 +116,7 @@ def test_a_rank_stopped_in_its_loader_is_reported_in_the_per_batch_agreement(tmp
         "LoaderTimeout: rank 0: the data loader (train dataloader (DataLoader of Batches)) gave no batch within 5 s"
     ) in report
     assert "thread 'loader': pulling batch" in report
-    assert "in all_ranks" in report  # the agreement is where the pull waits
+    assert "in wait_for_all_ranks" in report  # the agreement is where the pull waits
     assert "flight recorder: gloo:all_reduce" in report and "(hstu_loader_agreement)" in report
     assert "by thread 'hstu-loader'" in report
     assert "local rank 1 (pid" in report and "killed" in report

@@ -208,6 +208,12 @@ def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.c
 ORDERS = ("index", "sequences", "blocks")
 """The programs' orders a kernel's launch settings may name (``ORDER``, ``_program``)."""
 
+_SUMS_LOOP_STAGES = tl.constexpr(3)
+"""How deep the loops of the bias tables' sum passes (``_hstu_bwd_time_stored``, ``_hstu_bwd_position_bands``)
+are pipelined. Their loads feed no dot product, so the launch's ``num_stages`` leaves them unpipelined; three
+stages take the seed shape's calls (H200, bf16, heads of 256) from 0.314 to 0.237 ms (time) and from 0.186 to
+0.137 ms (position bands)."""
+
 
 @triton.jit
 def _program(ORDER: tl.constexpr, order):
@@ -1563,11 +1569,13 @@ def _keys_stored(
     RANGE_BLOCK: tl.constexpr,
     ORDER: tl.constexpr,
     order,
+    LOOP_STAGES: tl.constexpr = None,
 ):
     """One block of keys of ``_hstu_bwd_dk_stored`` (``DK``) or ``_hstu_bwd_time_stored`` (not ``DK``): its
     tiles of the stored score gradients (``DS``, [keys, queries]) with the queries from the diagonal on, each
     multiplied into dk's one accumulator (if ``DK``; the dk/dv kernel would hold two) and summed per time
-    bucket (if ``TIME``)."""
+    bucket (if ``TIME``). ``LOOP_STAGES`` pipelines the loops over query blocks that deep; None leaves them
+    to the launch's ``num_stages``, which pipelines the loads that feed a dot product (dk's) only."""
     seq, head, rank = _program(ORDER, order)
     if _is_tail(seq, ORDER):
         if DK:
@@ -1597,13 +1605,13 @@ def _keys_stored(
     dtime = tl.zeros([TIME_BLOCK], dtype=tl.float32)
     unmasked = tl.cdiv(first + BLOCK_N, BLOCK_M) * BLOCK_M  # query blocks from here on are past the diagonal
     full = (n // BLOCK_M) * BLOCK_M  # where the last, partial block of queries starts
-    for row in range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M):
+    for row in tl.range((first // BLOCK_M) * BLOCK_M, tl.minimum(unmasked, n), BLOCK_M, num_stages=LOOP_STAGES):
         dk, dtime = _keys_stored_tile(
             dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
             ts, ts_j, ranges, tj_min, tj_max, num_buckets,
             BLOCK_A, True, PRECISION, BLOCK_M, BLOCK_N, DK, TIME, TIME_BLOCK, RANGE_BLOCK,
         )  # fmt: skip
-    for row in range(unmasked, full, BLOCK_M):
+    for row in tl.range(unmasked, full, BLOCK_M, num_stages=LOOP_STAGES):
         dk, dtime = _keys_stored_tile(
             dk, dtime, DS, ds_row, first, row, n, Q, start32, head,
             ts, ts_j, ranges, tj_min, tj_max, num_buckets,
@@ -1682,7 +1690,7 @@ def _hstu_bwd_time_stored(
     _keys_stored(
         DS, ds_side, ds_head_rows, None, None, d_time, offsets, tokens, timestamps, ranges, range_blocks,
         0, 0, num_buckets, 1, 1, "ieee", BLOCK_M, BLOCK_N,
-        False, True, TIME_BLOCK, RANGE_BLOCK, ORDER, order,
+        False, True, TIME_BLOCK, RANGE_BLOCK, ORDER, order, _SUMS_LOOP_STAGES,
     )  # fmt: skip
 
 
@@ -1718,7 +1726,7 @@ def _hstu_bwd_position_bands(
     keys = tl.arange(0, BLOCK_N)[:, None]
     queries = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for key in range(low, tl.minimum(stored - first, low + CHUNK * BLOCK_N), BLOCK_N):
+    for key in tl.range(low, tl.minimum(stored - first, low + CHUNK * BLOCK_N), BLOCK_N, num_stages=_SUMS_LOOP_STAGES):
         tile = DS.load([ds_row + key, first + key]).to(tl.float32)
         acc += tl.where((first + queries >= keys) & (first + key + queries < stored), tile, 0.0)
     _position_grads(tl.trans(acc), first, d_position, 1.0 / n.to(tl.float32), num_positions, BLOCK_M, BLOCK_N)

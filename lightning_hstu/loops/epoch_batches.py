@@ -15,14 +15,17 @@ class EpochBatches:
 
     - It stops at the epoch's batch count (``limit_train_batches``), so the ring never pulls a batch the
       epoch will not train.
-    - Ranks agree on the end of data: before each batch every rank says whether it has one, and all stop
-      at the first rank's end (``all_ranks_have``), so a rank with fewer batches never hangs the others. A
-      rank that reaches its own batch count (a loader with a length, or ``limit_train_batches``) says so
+    - Ranks agree on the end of data: for each batch every rank says whether it has one, and all stop
+      at the first rank's end (``ask_all_ranks_have``), so a rank with fewer batches never hangs the others.
+      A rank that reaches its own batch count (a loader with a length, or ``limit_train_batches``) says so
       too, rather than leaving the others waiting for its answer. The rank whose batches are left
-      untrained warns.
+      untrained warns. The question about a batch is asked when it is pulled, and answered when the batch
+      after it has been pulled and asked about: the loader runs one batch further ahead, and a rank waits
+      for the others' answer about a batch only while it pulls the next one (every rank asks as many times:
+      each pull of the engine asks once, the first twice, until the first answer "not every rank").
     - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
       loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
-      trained, not the state of a loader that is already ``depth - 1`` batches ahead.
+      trained, not the state of a loader that is already ``depth`` batches ahead.
     """
 
     def __init__(
@@ -32,7 +35,7 @@ class EpochBatches:
         start: int,
         stop: int | float,
         keep_states: int,
-        all_ranks_have: Callable[[bool], bool],
+        ask_all_ranks_have: Callable[[bool], Callable[[], bool]],
     ):
         self.start = start
         """Batches of this epoch trained before this run began (a mid-epoch resume)."""
@@ -40,7 +43,7 @@ class EpochBatches:
         """Batches this run yields, known once the data (or the epoch's limit) has ended."""
         self._fetcher = fetcher
         self._stop = stop
-        self._all_ranks_have = all_ranks_have
+        self._ask_all_ranks_have = ask_all_ranks_have
         loader = fetcher.combined_loader
         self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
         self._keep_states = keep_states
@@ -76,24 +79,32 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[Any]:
         self._snapshot()
-        index = self.start
+        index = self.start  # the batch the next pull gives
+        ended = False  # this rank has no batch left this epoch (its count reached, or its loader exhausted)
+        asked: tuple[Any, bool, Callable[[], bool]] | None = None  # the batch pulled before, and its question
         while True:
-            if index >= self._stop:
-                self._all_ranks_have(False)  # this rank's epoch is over: the others must not wait for its answer
-                break
-            try:
-                batch, _, _ = next(self._fetcher)
-                has_batch = True
-            except StopIteration:
-                batch, has_batch = None, False
-            if not self._all_ranks_have(has_batch):
-                if has_batch:
-                    _warn_untrained(index)
-                break
-            self._snapshot()
-            yield batch
+            batch, has_batch = None, False
+            if not ended and index < self._stop:
+                try:
+                    batch, _, _ = next(self._fetcher)
+                    has_batch = True
+                    self._snapshot()
+                except StopIteration:
+                    pass
+            # after its end a rank still answers "no", until every rank has read "not every rank has a batch"
+            ended = not has_batch
+            answer = self._ask_all_ranks_have(has_batch)
+            if asked is not None:
+                earlier, had, everyone = asked
+                if not everyone():
+                    answer()  # asked by every rank: closed here, not left open
+                    if had:
+                        _warn_untrained(index - 1)
+                    break
+                yield earlier
+            asked = (batch, has_batch, answer)
             index += 1
-        self.count = index - self.start
+        self.count = index - 1 - self.start  # every batch before the last one asked about
 
     def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
         """The stateful loaders' state when they had produced ``produced`` batches of this epoch."""

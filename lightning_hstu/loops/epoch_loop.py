@@ -78,8 +78,8 @@ class EngineEpochLoop(_TrainingEpochLoop):
             data_fetcher,
             start=start,
             stop=self.trainer.num_training_batches,
-            keep_states=self._strategy.plan.depth + 2,
-            all_ranks_have=self._strategy.all_ranks_have_batch,
+            keep_states=self._strategy.plan.depth + 3,
+            ask_all_ranks_have=self._strategy.ask_all_ranks_have_batch,
         )
         if start:
             self._check_resume(start)
@@ -108,6 +108,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
                     if self.done:
                         break
         except BaseException as error:
+            self._strategy.sigterm.forget()
             # before Lightning's on_exception hooks, which may themselves wait for the other ranks (a checkpoint)
             self._strategy.note_failure(error)
             # steps() has joined the engine's threads: a batch whose optimizer step they applied before the
@@ -121,6 +122,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             if self._profiling:  # a step that failed
                 self._profiling = False
                 self.trainer.profiler.stop("run_training_batch")
+        self._settle_sigterm(engine)
         # The epoch ended. After an exception the batches stay: Lightning saves a checkpoint on it after this
         # loop ends (OnExceptionCheckpoint, a SIGTERM's save), which takes the loader state from before the
         # oldest batch not trained from them.
@@ -254,7 +256,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         if step < self._batches.start:
             return True  # the fill
         trainer = self.trainer
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+        if self._strategy.sigterm.agreed:
             self._broadcast_sigterm_tensor()
         batch = self._engine.slots(step)["shuffled_batch"]
         batch_idx = step  # == self.batch_idx + 1: the engine numbers batches as the epoch does
@@ -279,15 +281,25 @@ class EngineEpochLoop(_TrainingEpochLoop):
         self._profiling = True
         return True
 
+    def _settle_sigterm(self, engine: Engine) -> None:
+        """At the end of an epoch on several ranks: the last batch's SIGTERM check answered and the ranks asked
+        once more (``SigtermNotice.settle``), so that no check stays open past the epoch. A failed check does
+        not stop training, as Lightning's per-batch check."""
+        if not self._strategy.sigterm.agreed:
+            return
+        with engine.watched("the ranks' SIGTERM check at the end of the epoch"), contextlib.suppress(Exception):
+            self._strategy.sigterm.settle(self._strategy.ask_any_rank)
+
     @override
     def _broadcast_sigterm_tensor(self) -> None:
         """Lightning's per-batch SIGTERM check, decided by every rank together: all ranks stop here when any
-        rank received SIGTERM (``strategies/sigterm.py``). Lightning broadcasts rank 0's flag as a tensor on the
-        device over the default group and reads it back with ``.item()``, which on a GPU waits for every
+        rank had received SIGTERM at the check before (``strategies/sigterm.py``: each check's answer is read at
+        the next, so that no rank waits here for the others). Lightning broadcasts rank 0's flag as a tensor on
+        the device over the default group and reads it back with ``.item()``, which on a GPU waits for every
         collective queued before it on that group's NCCL stream (the steps' all-to-alls and all-reduces)
         before the next step can be queued; this runs on the strategy's gloo agreement group."""
         try:
-            stop = self._strategy.sigterm.stop(self._strategy.any_rank)
+            stop = self._strategy.sigterm.stop(self._strategy.ask_any_rank)
         except Exception:  # as Lightning: a failed check does not stop training
             stop = False
         if stop:

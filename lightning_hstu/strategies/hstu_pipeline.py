@@ -8,7 +8,7 @@ import pickle
 import threading
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -275,7 +275,7 @@ class HSTUPipelineStrategy(DDPStrategy):
         self._failed = False
         self._failure_key = None
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # for all_ranks() and any_rank(), and for all_ranks_have_batch()
+            # for all_ranks() and ask_any_rank(), and for ask_all_ranks_have_batch()
             self._data_group = dist.new_group(
                 backend="gloo", timeout=self._timeout, group_desc=process_groups.AGREEMENT_GROUP
             )
@@ -340,10 +340,11 @@ class HSTUPipelineStrategy(DDPStrategy):
         launch on the default group."""
         return _all_ranks_on(self._data_group, flag)
 
-    def all_ranks_have_batch(self, flag: bool) -> bool:
-        """``all_ranks`` for "every rank has a next batch", on a second gloo group: the engine's loader
-        thread asks it while the step's tasks and the caller may use the first."""
-        return _all_ranks_on(self._loader_group, flag)
+    def ask_all_ranks_have_batch(self, flag: bool) -> Callable[[], bool]:
+        """Starts ``all_ranks`` for "every rank has a next batch" without waiting, on a second gloo group (the
+        engine's loader thread asks it while the step's tasks and the caller may use the first), and returns
+        the function that waits for the answer."""
+        return _ask_all_ranks_on(self._loader_group, flag)
 
     def least_over_ranks(self, value: float) -> float:
         """The smallest of the ranks' ``value`` (``inf`` allowed: a loader without a length), on every rank;
@@ -355,10 +356,12 @@ class HSTUPipelineStrategy(DDPStrategy):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._data_group)
         return tensor.item()
 
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is True on any rank (this rank's flag on a single process): "a rank received
-        SIGTERM", between steps. On the same gloo group as ``all_ranks``."""
-        return not _all_ranks_on(self._data_group, not flag)
+    def ask_any_rank(self, flag: bool) -> Callable[[], bool]:
+        """Starts "is ``flag`` True on any rank" (a rank received SIGTERM) without waiting, and returns the
+        function that waits for the answer (this rank's flag on a single process). On the same gloo group as
+        ``all_ranks``: every rank asks in the same order of that group's collectives (between two steps)."""
+        nobody = _ask_all_ranks_on(self._data_group, not flag)
+        return lambda: not nobody()
 
     # ----- checkpoints: a directory through torch.distributed.checkpoint when tables are sharded ----------
 
@@ -638,8 +641,19 @@ def _is_local_non_zip(path: Any) -> bool:
 
 
 def _all_ranks_on(group: Any, flag: bool) -> bool:
+    return _ask_all_ranks_on(group, flag)()
+
+
+def _ask_all_ranks_on(group: Any, flag: bool) -> Callable[[], bool]:
+    """Starts "is ``flag`` True on every rank of ``group``" (an all-reduce) without waiting, and returns the
+    function that waits for the answer (``flag`` itself without a group)."""
     if group is None:
-        return flag
+        return lambda: flag
     value = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
+    work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True)
+
+    def wait_for_all_ranks() -> bool:
+        work.wait()
+        return bool(value.item())
+
+    return wait_for_all_ranks

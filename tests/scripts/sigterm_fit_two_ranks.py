@@ -1,8 +1,8 @@
-"""Two gloo ranks fit the toy recommender for two epochs of 8 batches; one rank sends itself SIGTERM at the
-start of its batch 3 (rank 0's launcher passes it on to rank 1, as Lightning's does); run by
-test_strategy_ranks.py.
+"""Two gloo ranks fit the toy recommender for two epochs of 16 batches; one rank sends itself SIGTERM at the
+start of its batch BATCH of the first epoch (rank 0's launcher passes it on to rank 1, as Lightning's does);
+run by test_strategy_ranks.py.
 
-    python sigterm_fit_two_ranks.py OUT_DIR PRESET SIGNALLED_RANK
+    python sigterm_fit_two_ranks.py OUT_DIR PRESET SIGNALLED_RANK BATCH
 
 Each rank saves to OUT_DIR/rank<R>.pt what ended its fit (the exception's type name, or None), its global
 step then, and its weights; Lightning's OnExceptionCheckpoint saves OUT_DIR/on_exception.ckpt.
@@ -25,16 +25,16 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from lightning_runs import QUIET, end_process_groups  # noqa: E402
 
 
-class SignalAtBatch3(pl.Callback):
-    def __init__(self, rank: int):
-        self.rank = rank
+class SignalAtBatch(pl.Callback):
+    def __init__(self, rank: int, batch: int):
+        self.rank, self.batch = rank, batch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank == self.rank and trainer.current_epoch == 0 and batch_idx == 3:
+        if trainer.global_rank == self.rank and trainer.current_epoch == 0 and batch_idx == self.batch:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main(out_dir: str, preset: str, signalled: int) -> None:
+def main(out_dir: str, preset: str, signalled: int, at_batch: int) -> None:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         strategy=HSTUPipelineStrategy(preset),
@@ -43,7 +43,7 @@ def main(out_dir: str, preset: str, signalled: int) -> None:
         max_epochs=2,
         **{**QUIET, "enable_checkpointing": True},  # for OnExceptionCheckpoint
         limit_val_batches=0,
-        callbacks=[SignalAtBatch3(signalled), OnExceptionCheckpoint(out_dir)],
+        callbacks=[SignalAtBatch(signalled, at_batch), OnExceptionCheckpoint(out_dir)],
     )
     model = ToyRecommender()
     ended = None
@@ -57,5 +57,5 @@ def main(out_dir: str, preset: str, signalled: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     end_process_groups()

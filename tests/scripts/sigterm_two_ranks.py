@@ -4,8 +4,8 @@ test_strategy_ranks.py.
 
     python sigterm_two_ranks.py OUT_DIR
 
-Each rank saves, per combination (rank 0's flag, rank 1's flag), whether the check raised Lightning's
-``SIGTERMException`` on it, to OUT_DIR/rank<R>.pt.
+Each rank saves, per combination (rank 0's flag, rank 1's flag), whether the check that asked the ranks and
+the check after it raised Lightning's ``SIGTERMException`` on it, to OUT_DIR/rank<R>.pt.
 """
 
 import sys
@@ -24,24 +24,35 @@ from lightning_runs import QUIET, end_process_groups  # noqa: E402
 
 
 class AskEachCombination(pl.Callback):
-    """At the end of training (the strategy's groups still up), asks the epoch loop's SIGTERM check once per
-    combination of the two ranks' flags."""
+    """At the end of training (the strategy's groups still up), runs the epoch loop's SIGTERM check twice per
+    combination of the two ranks' flags: the first check asks the ranks about the flags, the second reads
+    the answer (with both flags cleared)."""
 
     def __init__(self):
         self.raised = {}
+        self.raised_when_asked = {}
 
     def on_train_end(self, trainer, pl_module):
-        rank, loop = trainer.global_rank, trainer.fit_loop.epoch_loop
+        rank, loop, notice = trainer.global_rank, trainer.fit_loop.epoch_loop, trainer.strategy.sigterm
         for flags in ((False, False), (False, True), (True, False), (True, True)):
-            trainer.strategy.sigterm.received = flags[rank]
+            notice.received = flags[rank]
             trainer._signal_connector.received_sigterm = False
-            try:
-                loop._broadcast_sigterm_tensor()
-                self.raised[flags] = False
-            except SIGTERMException:
-                self.raised[flags] = True
-        trainer.strategy.sigterm.received = False
+            self.raised_when_asked[flags] = _raises(loop)
+            notice.received = False
+            trainer._signal_connector.received_sigterm = False
+            self.raised[flags] = _raises(loop)
+            trainer._signal_connector.received_sigterm = False  # set on every rank by a stop
+            notice.settle(trainer.strategy.ask_any_rank)  # the second check's own question (no SIGTERM), answered
+        notice.received = False
         trainer._signal_connector.received_sigterm = False
+
+
+def _raises(loop) -> bool:
+    try:
+        loop._broadcast_sigterm_tensor()
+    except SIGTERMException:
+        return True
+    return False
 
 
 def main(out_dir: str) -> None:
@@ -57,7 +68,8 @@ def main(out_dir: str) -> None:
         callbacks=[asked],
     )
     trainer.fit(ToyRecommender(), ToyDataModule(num_samples=128))
-    torch.save({"raised": asked.raised}, f"{out_dir}/rank{trainer.global_rank}.pt")
+    saved = {"raised": asked.raised, "raised_when_asked": asked.raised_when_asked}
+    torch.save(saved, f"{out_dir}/rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
