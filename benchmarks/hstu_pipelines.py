@@ -57,7 +57,7 @@ from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.tasks import GRAPH_TASKS
-from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, embedding_tables
+from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_adamw, embedding_tables
 
 WORKLOADS = {
     "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
@@ -254,9 +254,7 @@ class EagerOptimizerStep(HSTURecommender):
 
     def configure_optimizers(self):
         hp = self.hparams
-        return torch.optim.AdamW(
-            self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
-        )
+        return dense_adamw(self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
 
 
 def cycled(batches, total):
@@ -444,7 +442,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     model = optimizer = None
     if rows & {"plain", "engine", "pipeline"}:  # the rows that drive one model directly share it
         model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
-        optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+        optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
 
     def measure_(name, run, passes=0, plan=None):
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)

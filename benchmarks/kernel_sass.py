@@ -43,6 +43,9 @@ POINTERS = {
     "ranges": "*i64",
     "position_table": "*fp32",
     "time_table": "*fp32",
+    "PQ": "*bf16",  # the pre-activations whose SiLU q, k and v are (``projected_attention(silu=True)``)
+    "PK": "*bf16",
+    "PV": "*bf16",
     "d_position": "*fp32",
     "d_time": "*fp32",
     "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows

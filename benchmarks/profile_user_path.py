@@ -64,7 +64,7 @@ from hstu_pipelines import (
 
 from lightning_hstu import HSTUPipelineStrategy
 from lightning_hstu.engine.affinity import ThreadPin
-from lightning_hstu.models.hstu import HSTURecommender
+from lightning_hstu.models.hstu import HSTURecommender, dense_adamw
 
 
 class _Marks(pl.Callback):
@@ -362,7 +362,7 @@ def _plain_loop(sizes, device, num_items, batches, marks):
     """``hstu_pipelines.py``'s plain loop (``run_plain``: same model, optimizer and autocast) over
     ``batches``, timed by ``marks`` as the Trainer's steps are."""
     model = build_model(sizes, device, num_items)
-    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
     run_plain(model, optimizer, "cuda" if device.type == "cuda" else None)(_marked(batches, marks))
 
 
@@ -370,7 +370,7 @@ def _engine_loop(sizes, device, num_items, preset, graphs, batches, marks):
     """``hstu_pipelines.py``'s Engine rows (``run_engine``: same model, AdamW and autocast; the step timeout
     600 s, as the user's path's default) over ``batches``, timed by ``marks`` as the Trainer's steps are."""
     model = build_model(sizes, device, num_items)
-    optimizer = torch.optim.AdamW(model.objectives.parameters(), lr=1e-4)
+    optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
     autocast = "cuda" if device.type == "cuda" else None
     run, engine = run_engine(model, optimizer, autocast, device, preset, capture=graphs and device.type == "cuda")
     try:

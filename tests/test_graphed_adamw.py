@@ -41,11 +41,14 @@ SCHEDULES = {
 
 
 @cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_the_replayed_step_updates_like_adamw_with_the_schedulers_learning_rate(schedule):
+def test_the_replayed_step_updates_like_adamw_with_the_schedulers_learning_rate(schedule, fused):
+    """Both implementations captured (HSTURecommender's is the fused one, ``dense_adamw``), against torch's
+    default AdamW stepping eagerly."""
     device = torch.device("cuda")
     ours, theirs = parameters(device), parameters(device)
-    graphed = GraphedAdamW(ours, lr=0.01, weight_decay=0.1, betas=(0.9, 0.98))
+    graphed = GraphedAdamW(ours, lr=0.01, weight_decay=0.1, betas=(0.9, 0.98), fused=fused)
     plain = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, betas=(0.9, 0.98))
     schedules = [SCHEDULES[schedule](o) for o in (graphed, plain)]
     buffers = [torch.zeros_like(p) for p in ours]  # gradients that stay put, as megatron-core's do

@@ -201,12 +201,17 @@ def test_a_batch_of_empty_sequences_gives_no_rows_and_zero_table_gradients(devic
     assert bias.position.grad.abs().max() == 0 and bias.time.grad.abs().max() == 0
 
 
+@pytest.mark.parametrize("launch", ["bias gradients in dq", "dk from the stored score gradients"])
+@pytest.mark.parametrize("silu, a, d", [(False, 16, 24), (True, 16, 24), (True, 128, 128)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(device):
+def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(device, silu, a, d, launch, monkeypatch):
     """``projected_attention`` (the layer's path: one gradient for the projection, Q, K and V's parts
     written in place by the kernels) against splitting the projection and calling ``hstu_attention``: U,
-    the output, the projection's gradient (U's part from U's gradient) and both tables' gradients."""
-    heads, a, d = 2, 16, 24
+    the output, the projection's gradient (U's part from U's gradient) and both tables' gradients; with
+    ``silu``, from the pre-activations x against SiLU(x) split (the gradient with respect to x)."""
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
+    heads = 2
     _, _, _, offsets, times, _ = jagged_batch([9, 1, 14], heads, a, d, 8, device)
     uvqk = torch.randn(len(times) + 3, heads * (2 * d + 2 * a), device=device)  # 3 rows of spare capacity
     bias = bias_tables(16, 8, device)
@@ -221,16 +226,21 @@ def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(devic
         return [u.detach(), y.detach(), x.grad, bias.position.grad, bias.time.grad]
 
     def split(x):
-        u, v, q, k = x.split([heads * d, heads * d, heads * a, heads * a], dim=-1)
+        u, v, q, k = (torch.nn.functional.silu(x) if silu else x).split(
+            [heads * d, heads * d, heads * a, heads * a], -1
+        )
         q, k, v = q.unflatten(-1, (heads, a)), k.unflatten(-1, (heads, a)), v.unflatten(-1, (heads, d))
         return u, kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 16).flatten(-2)
 
     def projected(x):
-        return kernel.projected_attention(x, heads, a, d, offsets, times, bias.position, bias.time, 16)
+        return kernel.projected_attention(x, heads, a, d, offsets, times, bias.position, bias.time, 16, silu)
 
     for got, expected in zip(run(projected), run(split)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"\[N, 160\] for heads=2, attention_dim=16, hidden_dim=24; got \(27, 150\)"):
+    width = heads * (2 * a + 2 * d)
+    with pytest.raises(
+        ValueError, match=rf"\[N, {width}\] for heads=2, attention_dim={a}, hidden_dim={d}; got \(27, 150\)"
+    ):
         kernel.projected_attention(uvqk[:, :150], heads, a, d, offsets, times, bias.position, bias.time, 16)
 
 

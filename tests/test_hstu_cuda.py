@@ -139,6 +139,7 @@ class GraphUse(Callback):
         self.capacities = getattr(graphed, "capacities", None)
         optimizer = trainer.optimizers[0]
         self.optimizer_steps = (optimizer.eager_steps, optimizer.replays)  # a GraphedAdamW
+        self.fused = optimizer.defaults["fused"]  # dense_adamw's on CUDA
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +160,7 @@ def test_the_graph_captured_dense_part_trains_like_its_eager_self(preset, padded
     assert_close_weights(train(preset, callbacks=[use], capture_graphs=True, attention="padded"), padded_eager)
     assert (use.eager_calls, use.replays, use.graphs) == (3, STEPS - 3, 1)
     assert use.optimizer_steps == (3, STEPS - 3)
+    assert use.fused
 
 
 def test_a_cosine_learning_rate_reaches_the_captured_optimizer_step():

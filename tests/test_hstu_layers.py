@@ -585,3 +585,17 @@ def test_negatives_per_event_for_the_flops(retrieval, item_neg_rows, expected):
     config = HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=4, max_seq_len=32)
     objectives = HSTUObjectives(config, num_actions=5, temperature=0.05, retrieval=retrieval)
     assert objectives.negatives_per_event(4, 300, item_neg_rows) == expected
+
+
+@pytest.mark.parametrize("retrieval", ["sampled", "in_batch"])
+def test_the_compiled_jagged_losses_equal_the_eager_ones(monkeypatch, retrieval):
+    """``compile_layers`` on CUDA runs the losses after the stack through ``torch.compile``
+    (``_compiled_jagged_sums``); the compiled function gives the eager one's losses and gradients (here on
+    the CPU, put in the eager one's place), with rows past the real events."""
+    from lightning_hstu.models import hstu
+
+    expected = losses_and_gradients(*jagged_losses(retrieval, extra_rows=9, attention="grouped"))
+    monkeypatch.setattr(hstu.HSTUObjectives, "_jagged_sums", hstu._compiled_jagged_sums())
+    got = losses_and_gradients(*jagged_losses(retrieval, extra_rows=9, attention="grouped"))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)

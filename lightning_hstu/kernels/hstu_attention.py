@@ -205,6 +205,36 @@ def _store_rows(base, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.c
         tl.store(pointers, value.to(base.dtype.element_ty), mask=ok[:, None] & (w < WIDTH)[None, :])
 
 
+@triton.jit
+def _store_grad_rows(base, pre, offset, index, ok, stride, value, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``_store_rows`` of a gradient at ``base + offset``. Where ``pre`` is given (a tensor of the same layout
+    holding the pre-activations x of the projection, ``projected_attention(silu=True)``), the gradient with
+    respect to x: the value times SiLU'(x), in fp32 before the one rounding of the store."""
+    if pre is None:
+        _store_rows(base + offset, index, ok, stride, value, WIDTH, BLOCK)
+    elif BLOCK == WIDTH and BLOCK >= 128:  # in quarters of columns: a whole row's x and SiLU' would spill
+        QUARTER: tl.constexpr = BLOCK // 4
+        halves = tl.permute(tl.reshape(value, [value.shape[0], 2, BLOCK // 2]), (0, 2, 1))
+        left, right = tl.split(halves)
+        a, b = tl.split(tl.permute(tl.reshape(left, [left.shape[0], 2, QUARTER]), (0, 2, 1)))
+        _store_grad_columns(base, pre, offset, index, ok, stride, a, QUARTER)
+        _store_grad_columns(base, pre, offset + QUARTER, index, ok, stride, b, QUARTER)
+        c, d = tl.split(tl.permute(tl.reshape(right, [right.shape[0], 2, QUARTER]), (0, 2, 1)))
+        _store_grad_columns(base, pre, offset + 2 * QUARTER, index, ok, stride, c, QUARTER)
+        _store_grad_columns(base, pre, offset + 3 * QUARTER, index, ok, stride, d, QUARTER)
+    else:
+        _store_grad_columns(base, pre, offset, index, ok, stride, value, BLOCK, WIDTH)
+
+
+@triton.jit
+def _store_grad_columns(base, pre, offset, index, ok, stride, value, BLOCK: tl.constexpr, WIDTH: tl.constexpr = None):
+    """Columns ``offset:offset + BLOCK`` of ``_store_grad_rows`` (of which ``WIDTH`` exist), SiLU' applied."""
+    WIDE: tl.constexpr = BLOCK if WIDTH is None else WIDTH
+    x = _rows(pre + offset, index, ok, stride, WIDE, BLOCK).to(tl.float32)
+    _, derivative = _silu(x, False)
+    _store_rows(base + offset, index, ok, stride, value * derivative, WIDE, BLOCK)
+
+
 ORDERS = ("index", "sequences", "blocks")
 """The programs' orders a kernel's launch settings may name (``ORDER``, ``_program``)."""
 
@@ -771,6 +801,8 @@ def _hstu_bwd_dkdv(
     dOut,
     dK,
     dV,
+    PK,
+    PV,
     DS,
     ds_side,
     ds_head_rows,
@@ -938,10 +970,10 @@ def _hstu_bwd_dkdv(
             DK,
         )
     if DK:
-        _store_rows(
-            dK + start * stride_dkn + head * stride_dkh, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
-        )
-    _store_rows(dV + start * stride_dvn + head * stride_dvh, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM, BLOCK_D)
+        offset = start * stride_dkn + head * stride_dkh
+        _store_grad_rows(dK, PK, offset, cols, col_ok, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A)
+    offset = start * stride_dvn + head * stride_dvh
+    _store_grad_rows(dV, PV, offset, cols, col_ok, stride_dvn, dv * inv_n, HIDDEN_DIM, BLOCK_D)
     if BIAS_GRADS:
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
@@ -1043,6 +1075,7 @@ def _hstu_bwd_dq(
     V,
     dOut,
     dQ,
+    PQ,
     d_position,
     d_time,
     offsets,
@@ -1176,9 +1209,8 @@ def _hstu_bwd_dq(
             TIME_BLOCK,
             RANGE_BLOCK,
         )
-    _store_rows(
-        dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
-    )
+    offset = start * stride_dqn + head * stride_dqh
+    _store_grad_rows(dQ, PQ, offset, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A)
     if BIAS_GRADS:
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
@@ -1288,6 +1320,7 @@ def _hstu_bwd_dq_stored(
     ds_head_rows,
     K,
     dQ,
+    PQ,
     d_position,
     d_time,
     offsets,
@@ -1446,9 +1479,8 @@ def _hstu_bwd_dq_stored(
             POSITIONS,
             TIME,
         )
-    _store_rows(
-        dQ + start * stride_dqn + head * stride_dqh, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A
-    )
+    offset = start * stride_dqn + head * stride_dqh
+    _store_grad_rows(dQ, PQ, offset, rows, row_ok, stride_dqn, dq * inv_n, ATTENTION_DIM, BLOCK_A)
     if TIME:
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
@@ -1549,6 +1581,7 @@ def _keys_stored(
     ds_head_rows,
     Q,
     dK,
+    PK,
     d_time,
     offsets,
     tokens,
@@ -1625,9 +1658,8 @@ def _keys_stored(
         )  # fmt: skip
     inv_n = 1.0 / n.to(tl.float32)
     if DK:
-        _store_rows(
-            dK + start * stride_dkn + head * stride_dkh, cols, cols < n, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A
-        )
+        offset = start * stride_dkn + head * stride_dkh
+        _store_grad_rows(dK, PK, offset, cols, cols < n, stride_dkn, dk * inv_n, ATTENTION_DIM, BLOCK_A)
     if TIME:
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
@@ -1639,6 +1671,7 @@ def _hstu_bwd_dk_stored(
     ds_head_rows,
     Q,
     dK,
+    PK,
     d_time,
     offsets,
     tokens,
@@ -1661,7 +1694,7 @@ def _hstu_bwd_dk_stored(
 ):
     """dk from the stored score gradients, and the time table's gradient too if ``TIME`` (``_keys_stored``)."""
     _keys_stored(
-        DS, ds_side, ds_head_rows, Q, dK, d_time, offsets, tokens, timestamps, ranges, range_blocks,
+        DS, ds_side, ds_head_rows, Q, dK, PK, d_time, offsets, tokens, timestamps, ranges, range_blocks,
         stride_dkn, stride_dkh, num_buckets, ATTENTION_DIM, BLOCK_A, PRECISION, BLOCK_M, BLOCK_N,
         True, TIME, TIME_BLOCK, RANGE_BLOCK, ORDER, order,
     )  # fmt: skip
@@ -1688,7 +1721,7 @@ def _hstu_bwd_time_stored(
 ):
     """The time table's gradient from the stored score gradients, a pass of its own (``_keys_stored``)."""
     _keys_stored(
-        DS, ds_side, ds_head_rows, None, None, d_time, offsets, tokens, timestamps, ranges, range_blocks,
+        DS, ds_side, ds_head_rows, None, None, None, d_time, offsets, tokens, timestamps, ranges, range_blocks,
         0, 0, num_buckets, 1, 1, "ieee", BLOCK_M, BLOCK_N,
         False, True, TIME_BLOCK, RANGE_BLOCK, ORDER, order, _SUMS_LOOP_STAGES,
     )  # fmt: skip
@@ -1991,9 +2024,13 @@ def _forward(q, k, v, offsets, timestamps, position, time, max_len, grads: bool)
     return out, {**state, "scores": scores, "scores_head_rows": head_rows}
 
 
-def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv):
+def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pre=None):
     """Writes dq, dk and dv (tensors of q's, k's and v's shape: views of a wider tensor are fine) and returns
-    the two tables' gradients."""
+    the two tables' gradients. ``pre``: None, or the pre-activations x whose SiLU q, k and v are (views of
+    the strides of dq, dk and dv): then the gradients written are with respect to x."""
+    pq, pk, pv = (None, None, None) if pre is None else pre
+    if pre is not None and any(p.stride() != g.stride() for p, g in zip(pre, (dq, dk, dv))):
+        raise ValueError("pre: the pre-activations must have the strides of the gradients written beside them")
     do = grad if grad.stride(-1) == 1 else grad.contiguous()
     d_position = torch.zeros(position.shape, dtype=torch.float32, device=q.device)
     d_time = torch.zeros(time.shape, dtype=torch.float32, device=q.device)
@@ -2020,6 +2057,8 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         _rows_descriptor(do, config["BLOCK_M"], sizes["BLOCK_D"]),
         dk,
         dv,
+        pk,
+        pv,
         _ds_descriptor(ds, config) if store else None,
         ds_side,
         ds_head_rows,
@@ -2045,6 +2084,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             ds_head_rows,
             _rows_descriptor(q, config["BLOCK_M"], sizes["BLOCK_A"]),
             dk,
+            pk,
             d_time,
             *common[:5],
             dk.stride(0),
@@ -2082,6 +2122,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             ds_head_rows,
             _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
             dq,
+            pq,
             d_position,
             d_time,
             *common[:5],
@@ -2123,6 +2164,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
         do,
         dq,
+        pq,
         d_position,
         d_time,
         *common,
@@ -2155,29 +2197,35 @@ class _ProjectedAttention(torch.autograd.Function):
     """``projected_attention``: one gradient tensor for the projection, its parts written in place."""
 
     @staticmethod
-    def forward(ctx, uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads):
+    def forward(ctx, x, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu):
+        pre = x.contiguous() if silu else None  # the strides of the gradient written beside it
+        uvqk = torch.nn.functional.silu(pre) if silu else x
         u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
         _check(q, k, v, offsets, timestamps, position, time)
         out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads)
-        ctx.save_for_backward(uvqk, offsets, timestamps, position, time)
+        ctx.save_for_backward(uvqk, pre, offsets, timestamps, position, time)
         ctx.dims = heads, attention_dim, hidden_dim
         return u.flatten(-2), out.flatten(-2)
 
     @staticmethod
     def backward(ctx, du, grad):
-        uvqk, offsets, timestamps, position, time = ctx.saved_tensors
+        uvqk, pre, offsets, timestamps, position, time = ctx.saved_tensors
         _, v, q, k = _split(uvqk, *ctx.dims)
-        d_uvqk = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
-        d_u, dv, dq, dk = _split(d_uvqk, *ctx.dims)
+        d_x = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
+        d_u, dv, dq, dk = _split(d_x, *ctx.dims)
+        pre_u, pre_v, pre_q, pre_k = (None,) * 4 if pre is None else _split(pre, *ctx.dims)
         if du is None:
             d_u.zero_()
-        else:
+        elif pre is None:
             _copy_rows(d_u.flatten(-2), du)
+        else:  # U's gradient times SiLU'(x), written into its columns (one kernel)
+            torch.ops.aten.silu_backward.grad_input(du, pre_u.flatten(-2), grad_input=d_u.flatten(-2))
         grad = (
             torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad.unflatten(-1, v.shape[-2:])
         )
-        d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv)
-        return d_uvqk, None, None, d_position, d_time, None, None, None, None, None
+        pres = None if pre is None else (pre_q, pre_k, pre_v)
+        d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pres)
+        return d_x, None, None, d_position, d_time, None, None, None, None, None, None
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -2239,6 +2287,7 @@ def projected_attention(
     position: torch.Tensor,
     time: torch.Tensor,
     max_len: int,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The HSTU layer's attention from its projection: ``uvqk`` ``[N, heads * (2 hidden_dim + 2
     attention_dim)]`` holds U, V, Q and K side by side (in that order, each ``heads`` wide). Returns U
@@ -2246,7 +2295,10 @@ def projected_attention(
     to ``[N, heads * hidden_dim]``. The
     same values and gradients as splitting ``uvqk`` and calling ``hstu_attention``; in backward the
     kernels write dq, dk and dv into their columns of ``uvqk``'s gradient, where the split's backward
-    would concatenate four gradient tensors into a new one."""
+    would concatenate four gradient tensors into a new one. With ``silu`` the projection is the layer's
+    pre-activations x and U, V, Q and K are SiLU(x) (computed here): the kernels then write the gradients
+    with respect to x, SiLU's derivative applied as they store dq, dk and dv (and U's in one kernel), where
+    SiLU's own backward would read and write the whole gradient once more."""
     width = heads * (2 * hidden_dim + 2 * attention_dim)
     if uvqk.dim() != 2 or uvqk.shape[-1] != width:
         raise ValueError(
@@ -2255,5 +2307,5 @@ def projected_attention(
         )
     grads = _grads(uvqk, position, time)
     return _ProjectedAttention.apply(
-        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads
+        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu
     )

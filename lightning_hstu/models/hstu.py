@@ -11,6 +11,7 @@ divided by the global token count (all ranks), so that the data-parallel mean of
 loss of the whole global batch.
 """
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -242,8 +243,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         hp = self.hparams
         plan = getattr(self.trainer.strategy, "plan", None)
         graphed = plan is not None and "optimizer_step" in plan.capturable and self.device.type == "cuda"
-        optimizer = (GraphedAdamW if graphed else torch.optim.AdamW)(
-            self.objectives.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+        optimizer = dense_adamw(
+            self.objectives.parameters(), graphed, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
         if hp.lr_schedule == "constant":
             return optimizer
@@ -730,6 +731,13 @@ class HistoryItems:
         return (self.keys[at] == query) & (self.first_position[at] < position[..., None])
 
 
+@functools.cache
+def _compiled_jagged_sums():
+    """``HSTUObjectives._jagged_sums`` compiled once per process, dynamic in the event count: the losses'
+    normalisations, scores, softmax and ranking head fused where eager PyTorch runs each as a kernel."""
+    return torch.compile(HSTUObjectives._jagged_sums, dynamic=True)
+
+
 class HSTUObjectives(nn.Module):
     """The dense part: the HSTU stack and the ranking head, from looked-up embeddings to the two losses.
 
@@ -969,12 +977,24 @@ class HSTUObjectives(nn.Module):
     def _jagged_losses(self, events, targets, user, negatives, times, actions, target_ids, negative_ids, lengths):
         hidden, layout = self.encode_jagged(events, user, times, lengths)
         sample = layout.sample.clamp(max=len(lengths) - 1)
-        rows = torch.arange(len(sample), device=sample.device)
         history = None
         if self.history_logit is not None:  # event row j of a history predicts it, having read the rows before
-            position = rows - layout.event_offsets[sample]
+            position = torch.arange(len(sample), device=sample.device) - layout.event_offsets[sample]
             width = self._width(target_ids, negative_ids)
             history = HistoryItems(target_ids, sample, position, layout.real, len(lengths), width, self._table())
+        compiled = self.stack.config.compile_layers and hidden.is_cuda and history is None
+        sums = _compiled_jagged_sums() if compiled else HSTUObjectives._jagged_sums
+        return sums(
+            self, hidden, layout.event_token, layout.real, sample, targets, actions, target_ids, negatives,
+            negative_ids, history,
+        )  # fmt: skip
+
+    def _jagged_sums(
+        self, hidden, event_token, real, sample, targets, actions, target_ids, negatives, negative_ids, history
+    ):
+        """The losses from the stack's jagged output: each event's state before it, its scores, the sums
+        (``_sums``); with ``compile_layers`` on CUDA through ``torch.compile`` (``_compiled_jagged_sums``)."""
+        rows = torch.arange(len(sample), device=sample.device)
 
         def negative_scores(query):  # [C, negatives]
             if self.retrieval == "sampled":  # [C, B * K] in one product, then each event's own sample's K
@@ -984,11 +1004,11 @@ class HSTUObjectives(nn.Module):
             return self._pool_scores(query, negatives, negative_ids, targets, target_ids)
 
         return self._sums(
-            hidden.index_select(0, layout.event_token - 1),
+            hidden.index_select(0, event_token - 1),
             targets,
             actions,
             target_ids,
-            layout.real.to(torch.float32),
+            real.to(torch.float32),
             negative_scores,
             history,
         )
@@ -1100,6 +1120,17 @@ class HSTUObjectives(nn.Module):
             return hidden[layout.token_offsets[1:] - 1]
         hidden = self.encode(inputs.events, inputs.user, inputs.times, inputs.mask)
         return hidden[torch.arange(len(inputs.mask)), inputs.mask.sum(1)]
+
+
+def dense_adamw(params, graphed: bool = False, **kwargs) -> torch.optim.AdamW:
+    """The dense part's AdamW: ``GraphedAdamW`` where ``graphed`` (its step captured), else torch's. On CUDA
+    parameters the fused implementation (``fused=True``: one pass over each parameter, its gradient and its
+    two moments, where torch's default there, foreach, makes about ten); on the CPU torch's default."""
+    params = list(params)
+    tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
+    if tensors and all(p.is_cuda for p in tensors):
+        kwargs.setdefault("fused", True)
+    return (GraphedAdamW if graphed else torch.optim.AdamW)(params, **kwargs)
 
 
 def with_catalogue(features: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:

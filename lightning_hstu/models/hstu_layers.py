@@ -11,9 +11,10 @@ parts run on the real tokens only, and attention is either the fused Triton kern
 (``kernels.hstu_attention``), which never makes an ``L x L`` tensor, or, on the CPU, the padded reference's
 attention over groups of sequences of like lengths (``GroupedTokens``). The stack runs the token-wise parts
 from one attention to the next as one function (a layer's output, its residual add and the next layer's
-norm, f1 and SiLU: ``_layer_boundary``); on CUDA ``torch.compile`` can compile them
-(``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU, gating and residual add into one or two
-kernels where eager PyTorch runs one kernel per op.
+norm, f1 and SiLU: ``_layer_boundary``; with the fused kernel the SiLU is the attention's own, whose
+backward kernels store the gradients with respect to f1's output); on CUDA ``torch.compile`` can compile
+them (``HSTUConfig.compile_layers``), which fuses each norm, cast, SiLU, gating and residual add into one or
+two kernels where eager PyTorch runs one kernel per op.
 """
 
 import functools
@@ -143,9 +144,11 @@ class HSTULayer(nn.Module):
         return tokens.attention(uvqk, self.heads, self.attention_dim, self.hidden_dim, self.bias)
 
 
-def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """SiLU(f1(Norm(x))): U, V, Q and K side by side."""
-    return F.silu(f1(norm(x)))
+def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor, activate: bool = True) -> torch.Tensor:
+    """SiLU(f1(Norm(x))): U, V, Q and K side by side; without ``activate`` the pre-activations f1(Norm(x)),
+    whose SiLU the attention computes (``JaggedTokens.silu``)."""
+    projected = f1(norm(x))
+    return F.silu(projected) if activate else projected
 
 
 def _layer_output(
@@ -173,11 +176,12 @@ def _layer_boundary(
     mask: torch.Tensor | None,
     next_norm: nn.Module,
     next_f1: nn.Module,
+    activate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What runs between two layers' attentions: a layer's output (the residual stream after it) and the
-    next layer's inputs computed from it."""
+    next layer's inputs computed from it (``_layer_inputs``)."""
     x = _layer_output(norm, f2, dropout, x, y, u, mask)
-    return x, _layer_inputs(next_norm, next_f1, x)
+    return x, _layer_inputs(next_norm, next_f1, x, activate)
 
 
 def _stack_output(
@@ -249,6 +253,10 @@ class JaggedTokens(NamedTuple):
     """At least the longest sequence (sizes the kernel's grid)."""
     compiled: bool = False
     """Run the layers' token-wise parts through ``torch.compile`` (``HSTUConfig.compile_layers``)."""
+    silu: bool = True
+    """The attention takes the projection's pre-activations and applies SiLU itself
+    (``projected_attention(silu=True)``): the kernels write the gradients with respect to the
+    pre-activations, where SiLU's backward would make another pass over the projection's gradient."""
 
     def attention(
         self, uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, bias: RelativeBias
@@ -267,6 +275,7 @@ class JaggedTokens(NamedTuple):
             bias.position,
             bias.time,
             self.max_len,
+            self.silu,
         )
 
 
@@ -402,11 +411,12 @@ class HSTUStack(nn.Module):
         plain = (_layer_inputs, _layer_boundary, _stack_output)
         inputs, boundary, output = _compiled_token_wise() if getattr(tokens, "compiled", False) else plain
         mask = tokens.mask if isinstance(tokens, PaddedTokens) else None
-        uvqk = inputs(self.layers[0].norm, self.layers[0].f1, x)
+        activate = not getattr(tokens, "silu", False)  # the attention's own SiLU (``JaggedTokens.silu``)
+        uvqk = inputs(self.layers[0].norm, self.layers[0].f1, x, activate)
         for layer, following in zip(self.layers, self.layers[1:]):
             u, y = layer.attend(uvqk, tokens)
             parts = layer.attention_norm, layer.f2, layer.dropout
-            x, uvqk = boundary(*parts, x, y, u, mask, following.norm, following.f1)
+            x, uvqk = boundary(*parts, x, y, u, mask, following.norm, following.f1, activate)
         last = self.layers[-1]
         u, y = last.attend(uvqk, tokens)
         return output(last.attention_norm, last.f2, last.dropout, x, y, u, mask, self.norm)
