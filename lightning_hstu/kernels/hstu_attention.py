@@ -214,16 +214,21 @@ def _store_grad_rows(base, pre, offset, index, ok, stride, value, WIDTH: tl.cons
         _store_rows(base + offset, index, ok, stride, value, WIDTH, BLOCK)
     elif BLOCK == WIDTH and BLOCK >= 128:  # in quarters of columns: a whole row's x and SiLU' would spill
         QUARTER: tl.constexpr = BLOCK // 4
-        halves = tl.permute(tl.reshape(value, [value.shape[0], 2, BLOCK // 2]), (0, 2, 1))
-        left, right = tl.split(halves)
-        a, b = tl.split(tl.permute(tl.reshape(left, [left.shape[0], 2, QUARTER]), (0, 2, 1)))
+        left, right = _column_halves(value, BLOCK // 2)
+        a, b = _column_halves(left, QUARTER)
         _store_grad_columns(base, pre, offset, index, ok, stride, a, QUARTER)
         _store_grad_columns(base, pre, offset + QUARTER, index, ok, stride, b, QUARTER)
-        c, d = tl.split(tl.permute(tl.reshape(right, [right.shape[0], 2, QUARTER]), (0, 2, 1)))
+        c, d = _column_halves(right, QUARTER)
         _store_grad_columns(base, pre, offset + 2 * QUARTER, index, ok, stride, c, QUARTER)
         _store_grad_columns(base, pre, offset + 3 * QUARTER, index, ok, stride, d, QUARTER)
     else:
         _store_grad_columns(base, pre, offset, index, ok, stride, value, BLOCK, WIDTH)
+
+
+@triton.jit
+def _column_halves(value, HALF: tl.constexpr):
+    """A [rows, 2 HALF] tile's first and last ``HALF`` columns."""
+    return tl.split(tl.permute(tl.reshape(value, [value.shape[0], 2, HALF]), (0, 2, 1)))
 
 
 @triton.jit
