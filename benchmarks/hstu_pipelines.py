@@ -364,6 +364,17 @@ def kernels_per_step(run, batches, device):
     return sum(ms for _, ms, _ in kernels), [k for k in kernels if k[1] > 0]
 
 
+def kernel_differences(base, other):
+    """Per kernel name, ``other``'s ms and launches per step minus ``base``'s (lists as ``kernels_per_step``
+    gives them), the largest differences in ms first."""
+    ms, launches = defaultdict(float), defaultdict(float)
+    for sign, kernels in ((-1, base), (1, other)):
+        for name, kernel_ms, count in kernels:
+            ms[name] += sign * kernel_ms
+            launches[name] += sign * count
+    return sorted(((name, ms[name], launches[name]) for name in ms), key=lambda k: -abs(k[1]))
+
+
 def _kernel_ms(profiler, steps) -> float:
     """GPU kernel milliseconds per step recorded by a CUDA-activity profiler."""
     return sum(e.self_device_time_total for e in profiler.key_averages()) / 1e3 / steps
@@ -546,9 +557,21 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0):
         )
     for r in results if kernels else ():
         if r.get("kernels"):
-            say(f"the {kernels} heaviest GPU kernels of '{r['mode']}' per step (of {r['kernel_ms']:.2f} ms):")
+            launches = sum(count for _, _, count in r["kernels"])
+            say(
+                f"the {kernels} heaviest GPU kernels of '{r['mode']}' per step (of {r['kernel_ms']:.2f} ms in "
+                f"{launches:.0f} launches; the step's {r['ms'] - r['kernel_ms']:.2f} ms outside kernels are "
+                f"{(r['ms'] - r['kernel_ms']) * 1e3 / launches:.2f} us per launch):"
+            )
             for name, ms, launches in r["kernels"][:kernels]:
                 say(f"  {ms:8.3f} ms {ms / r['kernel_ms']:6.1%} {launches:6.1f}x  {name[:110]}")
+    by_mode = {r["mode"]: r for r in results if r.get("kernels")}
+    for mode, graphed in by_mode.items() if kernels else ():
+        eager = by_mode.get(mode.replace(" + graphs", "", 1)) if " + graphs" in mode else None
+        if eager is not None:  # what the captured step computes besides the eager one's kernels
+            say(f"GPU kernels of '{mode}' minus '{eager['mode']}', ms and launches per step, largest first:")
+            for name, ms, launches in kernel_differences(eager["kernels"], graphed["kernels"])[:kernels]:
+                say(f"  {ms:+8.3f} ms {launches:+7.1f}x  {name[:110]}")
     before, after, shuffled = model.balance_totals
     if shuffled and world > 1:
         say(
