@@ -600,7 +600,13 @@ def main():
         "engines and captured graphs, out of the next one's time)",
     )
     parser.add_argument(
-        "--kernels", type=int, default=0, metavar="N", help="print the N heaviest GPU kernels of each mode per step"
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N heaviest GPU kernels of each mode per step, with the mode's launches per step and its "
+        "time outside kernels per launch; and for each '+ graphs' row, its kernels minus the eager row's (the N "
+        "largest differences)",
     )
     parser.add_argument(
         "--pin-threads",
