@@ -4,12 +4,14 @@ accumulation between epochs, schedulers that watch a metric or step every few ba
 clipping and zero_grad, hooks that log around backward, a training_step that skips batches, an
 on_train_batch_start that ends the epoch, iterable datasets, overfit_batches and fast_dev_run. Each trains
 as under Lightning's own loop: the same batches, hook calls (with their outputs, gradients and learning
-rates), logged rows, callback metrics and weights."""
+rates), logged rows, callback metrics and weights. A module drawing from torch's global generator in its step
+(dropout) trains as under Lightning's DDP strategy, whose seeding at setup the strategy keeps."""
 
 import pytest
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateMonitor, StochasticWeightAveraging
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_runs import RecordingLogger, assert_same_weights, fit
@@ -71,6 +73,12 @@ class LogsAroundBackward(ToyRecommender):
 
     def on_after_backward(self):
         self.log("grad_norm", sum(p.grad.norm() for p in self.parameters() if p.grad is not None))
+
+
+class WithDropout(ToyRecommender):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mlp.insert(1, nn.Dropout(0.3))
 
 
 class OnPlateau(ToyRecommender):
@@ -182,3 +190,15 @@ def test_the_scenarios_reach_what_they_exercise():
     assert any("lr-SGD" in row for _, row in lr_rows)
     logged = lightnings("self.log in on_before_backward and on_after_backward")[3]
     assert any("grad_norm" in row and "before_backward" in row for _, row in logged)
+
+
+@pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
+def test_dropout_draws_as_under_lightnings_ddp_strategy(preset):
+    """Lightning's DDPStrategy, and this strategy built on it, seeds torch's generators again when it sets
+    up (``reset_seed``, from the ``seed_everything`` seed): the step's dropout masks then come from the seed,
+    not from the generator's state after the model's initialisation, as under the single-device default.
+    So a module with dropout trains bitwise as under ``strategy="ddp"``, and differently from "auto"."""
+    ddp, auto = fit("ddp", model_cls=WithDropout), fit("auto", model_cls=WithDropout)
+    model, _ = fit(HSTUPipelineStrategy(preset), model_cls=WithDropout)
+    assert_same_weights(model, ddp[0])
+    assert not torch.equal(model.mlp[0].weight, auto[0].mlp[0].weight)
