@@ -138,6 +138,28 @@ def test_an_ordinary_module_with_sharded_tables_trains_as_under_lightnings_ddp(t
         assert all(not torch.equal(ours["before"][name], shard) for name, shard in ours["after"].items())
 
 
+def test_a_users_own_collectives_in_the_step_in_logging_and_in_callbacks_run_as_under_lightnings_ddp(tmp_path):
+    """On two ranks, ``self.all_gather`` in training_step (the compute thread under the threaded preset),
+    ``sync_dist`` logging per step and per epoch, a synced validation metric that EarlyStopping reads, and a
+    callback's all-gather and barrier at each epoch end: no hang, and each rank's weights, batches, losses,
+    gathered values and callback metrics are Lightning's DDP's."""
+    script = SCRIPT.parent / "collectives_two_ranks.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_script(script, out, out, "ddp", "legacy_none", "default_d6", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        ddp = torch.load(out / f"ddp.rank{rank}.pt", weights_only=False)
+        assert ddp["global_step"] < 4 * 8  # early stopping ended the fit before its four epochs
+        assert ddp["gathered"][0] == [8, 108]  # both ranks' values, gathered at the first epoch end
+        for preset in ("legacy_none", "default_d6"):
+            ours = torch.load(out / f"{preset}.rank{rank}.pt", weights_only=False)
+            for key in ("seen", "global_step", "gathered", "losses", "metrics"):
+                assert ours[key] == ddp[key], (preset, rank, key)
+            for name, value in ddp["weights"].items():
+                assert torch.equal(ours["weights"][name], value), (preset, rank, name)
+
+
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or not {0, 1} <= os.sched_getaffinity(0), reason="needs Linux, cores 0 and 1"
 )
