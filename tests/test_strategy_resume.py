@@ -26,7 +26,7 @@ LOADERS = {
 }
 
 
-def interrupted_run(preset, tmp_path, at_step, data, trainer_kwargs):
+def interrupted_run(preset, tmp_path, at_step, data, trainer_kwargs, total=24):
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=at_step, save_top_k=-1, filename="{step}")
     first, trainer = fit(
         HSTUPipelineStrategy(preset),
@@ -40,7 +40,7 @@ def interrupted_run(preset, tmp_path, at_step, data, trainer_kwargs):
     resumed, trainer = fit(
         HSTUPipelineStrategy(preset), data_kwargs=data, ckpt_path=tmp_path / f"step={at_step}.ckpt", **trainer_kwargs
     )
-    assert trainer.global_step == 24  # 2 epochs of 12 batches
+    assert trainer.global_step == total  # 2 epochs of 12 batches (or of limit_train_batches)
     return first, resumed
 
 
@@ -56,11 +56,27 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(preset, loader, tmp_path)
 
 
 @pytest.mark.usefixtures("no_thread_left")
-def test_resume_at_the_end_of_an_epoch(tmp_path):
-    data, trainer_kwargs = LOADERS["plain DataLoader, shuffled by DistributedSampler"]
-    uninterrupted, _ = fit(HSTUPipelineStrategy("default_d6"), data_kwargs=data, **trainer_kwargs)
-    first, resumed = interrupted_run("default_d6", tmp_path, 12, data, trainer_kwargs)
+@pytest.mark.parametrize(
+    "loader, limit, preset",
+    [
+        ("plain DataLoader, shuffled by DistributedSampler", None, "default_d6"),
+        ("StatefulDataLoader", None, "legacy_none"),
+        ("StatefulDataLoader", 10, "default_d6"),
+    ],
+)
+def test_resume_at_the_end_of_an_epoch(loader, limit, preset, tmp_path):
+    """A checkpoint saved at the end of the epoch's last batch (``every_n_train_steps`` landing there) resumes
+    into a whole next epoch. With a StatefulDataLoader it saves the loader's state after the loader ended, or
+    none where ``limit_train_batches`` ended the epoch first: the state after the last batch would make the
+    next epoch the rest of this one (no batch, or the two past the limit), as it does under Lightning's own
+    loop."""
+    data, trainer_kwargs = LOADERS[loader]
+    trainer_kwargs = {**trainer_kwargs, **({} if limit is None else {"limit_train_batches": limit})}
+    uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data, **trainer_kwargs)
+    epoch = limit or 12
+    first, resumed = interrupted_run(preset, tmp_path, epoch, data, trainer_kwargs, total=2 * epoch)
     assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
+    assert [index for index, _ in resumed.batches_seen] == list(range(epoch))
     assert_same_weights(resumed, uninterrupted)
 
 

@@ -25,7 +25,12 @@ class EpochBatches:
       each pull of the engine asks once, the first twice, until the first answer "not every rank").
     - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
       loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
-      trained, not the state of a loader that is already ``depth`` batches ahead.
+      trained, not the state of a loader that is already ``depth`` batches ahead. Once every batch of the
+      epoch is trained, the state a checkpoint saves is one that starts the next epoch: the loader's after it
+      ended (a ``StatefulDataLoader`` then begins a new pass), or none where the epoch ended before its
+      loader did (``limit_train_batches``, a shorter rank). The state after the last batch's pull would make
+      the resumed fit's next epoch the rest of this one: nothing, or the batches past the limit (under
+      Lightning's own loop a checkpoint saved at the epoch's last batch end resumes so).
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class EpochBatches:
         self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
         self._keep_states = keep_states
         self._states: dict[int, list[dict[str, Any]]] = {}
+        self._ended_state: list[dict[str, Any]] | None = None  # after the loader's StopIteration
 
     @property
     def stateful(self) -> bool:
@@ -90,7 +96,8 @@ class EpochBatches:
                     has_batch = True
                     self._snapshot()
                 except StopIteration:
-                    pass
+                    if self._stateful:
+                        self._ended_state = self._fetcher.combined_loader._state_dicts()
             # after its end a rank still answers "no", until every rank has read "not every rank has a batch"
             ended = not has_batch
             answer = self._ask_all_ranks_have(has_batch)
@@ -107,7 +114,11 @@ class EpochBatches:
         self.count = index - 1 - self.start  # every batch before the last one asked about
 
     def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
-        """The stateful loaders' state when they had produced ``produced`` batches of this epoch."""
+        """The stateful loaders' state when they had produced ``produced`` batches of this epoch; once
+        ``produced`` is every batch of the epoch, one that starts the next epoch (the loaders' state after they
+        ended, or ``[]``, none, where the epoch ended before them)."""
+        if produced >= self._stop or (self.count is not None and produced >= self.start + self.count):
+            return [] if self._ended_state is None else self._ended_state
         return self._states.get(produced)
 
     def _snapshot(self) -> None:
