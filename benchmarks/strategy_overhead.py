@@ -2,7 +2,9 @@
 by a plain PyTorch loop, by Lightning's own loop (single-device, and DDP over the one process), and through
 ``Trainer(strategy=HSTUPipelineStrategy(...))``: Lightning's loop under the strategy (``engine=False``), and
 the engine under each given preset, with the default step timeout and without one (``step_timeout=None``:
-no watchdog, the tasks of a one-thread preset and the batches' pulls on the caller's thread). The modes
+no watchdog, the tasks of a one-thread preset and the batches' pulls on the caller's thread). The "Engine"
+rows drive the same step through ``Engine`` directly, without Lightning (one process only): the user's path
+minus the Engine row of the same preset and timeout is the strategy's own cost. The modes
 run in turns in one process, on the CPU. What the step computes is next to nothing, so the differences are
 the loops' own host work per step. On a GPU machine that work runs on the host while the GPU computes,
 and competes for the GIL with the threads that launch the step.
@@ -29,7 +31,8 @@ from profile_user_path import _PinPython, _thread_cpu_s
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu import Engine, HSTUPipelineStrategy, get_plan
+from lightning_hstu.loops.lightning_tasks import UNSHUFFLED
 
 
 class Tiny(pl.LightningModule):
@@ -94,6 +97,39 @@ def plain_us(steps: int, warmup: int) -> tuple[float, dict[str, float]]:
     return per_step_us(start, (time.perf_counter(), _thread_cpu_s()), steps - warmup)
 
 
+def engine_us(steps: int, warmup: int, preset: str, step_timeout: float | None) -> tuple[float, dict[str, float]]:
+    """The same step driven by ``Engine`` directly under ``preset``, without Lightning: zero_grad, forward,
+    backward and optimizer_step as bodies of their own (what the user's path runs through Lightning's hooks,
+    closure and precision plugin), the other tasks passing the batch through as they do for a plain module.
+    The user's path minus this is the strategy's own cost."""
+    model = Tiny()
+    optimizer = model.configure_optimizers()
+    own = {
+        "zero_grad": lambda b: optimizer.zero_grad(),
+        "forward": lambda b: b.__setitem__("loss", model.training_step(b["shuffled_batch"], b.index)),
+        "backward": lambda b: b["loss"].backward(),
+        "optimizer_step": lambda b: optimizer.step(),
+    }
+
+    def passing(task):
+        def body(b):
+            for slot in task.writes:
+                source = UNSHUFFLED.get(slot, "batch" if slot == "device_batch" else None)
+                b[slot] = None if source is None else b[source]
+
+        return body
+
+    plan = get_plan(preset)
+    bodies = {t.name: own[t.name] if t.name in own else passing(t) for t in plan.tasks}
+    start = None
+    with Engine(plan, bodies, step_timeout=step_timeout) as engine:
+        for result in engine.steps(loader(steps)):
+            if result.batch == warmup - 1:
+                start = (time.perf_counter(), _thread_cpu_s())
+        end = (time.perf_counter(), _thread_cpu_s())
+    return per_step_us(start, end, steps - warmup)
+
+
 def trainer_us(
     steps: int, warmup: int, strategy, pin: int | None = None, devices: int = 1
 ) -> tuple[float, dict[str, float]]:
@@ -142,6 +178,9 @@ def main():
     modes["Lightning's loop, DDP"] = fit(lambda: "ddp")  # what the strategy builds on (on one process: DDP over it)
     modes["user's path, engine=False"] = fit(lambda: HSTUPipelineStrategy(engine=False))
     for preset in args.presets:
+        if args.devices == 1:
+            modes[f"Engine, {preset}"] = lambda p=preset: engine_us(args.steps, args.warmup, p, 600.0)
+            modes[f"Engine, {preset}, no timeout"] = lambda p=preset: engine_us(args.steps, args.warmup, p, None)
         modes[f"user's path, {preset}"] = fit(lambda p=preset: HSTUPipelineStrategy(p))
         modes[f"user's path, {preset}, no timeout"] = fit(lambda p=preset: HSTUPipelineStrategy(p, step_timeout=None))
         if args.pin_threads is not None:
