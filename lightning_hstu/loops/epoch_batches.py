@@ -26,11 +26,11 @@ class EpochBatches:
     - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
       loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
       trained, not the state of a loader that is already ``depth`` batches ahead. Once every batch of the
-      epoch is trained, the state a checkpoint saves is one that starts the next epoch: the loader's after it
-      ended (a ``StatefulDataLoader`` then begins a new pass), or none where the epoch ended before its
-      loader did (``limit_train_batches``, a shorter rank). The state after the last batch's pull would make
-      the resumed fit's next epoch the rest of this one: nothing, or the batches past the limit (under
-      Lightning's own loop a checkpoint saved at the epoch's last batch end resumes so).
+      epoch is trained, a checkpoint saves no loader state: the resumed fit's next epoch starts from a fresh
+      loader, as a plain ``DataLoader``'s does (its ``DistributedSampler`` given the new epoch by Lightning).
+      The state after the last batch's pull would make that epoch the rest of this one: nothing, or the
+      batches past ``limit_train_batches`` (under Lightning's own loop a checkpoint saved at the epoch's last
+      batch end resumes so).
     """
 
     def __init__(
@@ -53,7 +53,6 @@ class EpochBatches:
         self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
         self._keep_states = keep_states
         self._states: dict[int, list[dict[str, Any]]] = {}
-        self._ended_state: list[dict[str, Any]] | None = None  # after the loader's StopIteration
 
     @property
     def stateful(self) -> bool:
@@ -96,8 +95,7 @@ class EpochBatches:
                     has_batch = True
                     self._snapshot()
                 except StopIteration:
-                    if self._stateful:
-                        self._ended_state = self._fetcher.combined_loader._state_dicts()
+                    pass
             # after its end a rank still answers "no", until every rank has read "not every rank has a batch"
             ended = not has_batch
             answer = self._ask_all_ranks_have(has_batch)
@@ -114,11 +112,10 @@ class EpochBatches:
         self.count = index - 1 - self.start  # every batch before the last one asked about
 
     def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
-        """The stateful loaders' state when they had produced ``produced`` batches of this epoch; once
-        ``produced`` is every batch of the epoch, one that starts the next epoch (the loaders' state after they
-        ended, or ``[]``, none, where the epoch ended before them)."""
+        """The stateful loaders' state when they had produced ``produced`` batches of this epoch; ``[]`` (none:
+        the next epoch starts from fresh loaders) once ``produced`` is every batch of the epoch."""
         if produced >= self._stop or (self.count is not None and produced >= self.start + self.count):
-            return [] if self._ended_state is None else self._ended_state
+            return []
         return self._states.get(produced)
 
     def _snapshot(self) -> None:
