@@ -13,10 +13,13 @@ import time
 
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_runs import assert_same_weights, fit
 
 from lightning_hstu import HSTUPipelineStrategy
+from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.loops import CheckpointError
 from lightning_hstu.models.toy import ToyRecommender
 
@@ -76,6 +79,54 @@ def test_resume_at_the_end_of_an_epoch(loader, limit, preset, tmp_path):
     first, resumed = interrupted_run(preset, tmp_path, epoch, data, trainer_kwargs, total=2 * epoch)
     assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
     assert [index for index, _ in resumed.batches_seen] == list(range(epoch))
+    assert_same_weights(resumed, uninterrupted)
+
+
+class Stream(IterableDataset):
+    """An endless stream of the toy samples that goes on where it was at each new iterator (its position is
+    its state: a StatefulDataLoader saves and restores it)."""
+
+    def __init__(self, items, ratings):
+        self.items, self.ratings, self.position = items, ratings, 0
+
+    def __iter__(self):
+        while True:
+            index = self.position % len(self.items)
+            self.position += 1
+            yield self.items[index], self.ratings[index]
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class StreamData(ToyDataModule):
+    def train_dataloader(self):
+        return StatefulDataLoader(Stream(self.items, self.ratings), batch_size=self.hparams.batch_size)
+
+
+@pytest.mark.usefixtures("no_thread_left")
+def test_a_stream_resumed_at_the_end_of_an_epoch_goes_on_where_it_was(tmp_path):
+    """Epochs of ``limit_train_batches`` batches of an endless stream: a checkpoint at the end of an epoch keeps
+    the stream's position (no new pass from its start, as a map-style loader gets), and the resumed fit trains
+    the batches the uninterrupted one did."""
+    options = {"limit_train_batches": 10}
+    uninterrupted, _ = fit(HSTUPipelineStrategy("default_d6"), data_cls=StreamData, **options)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    first, _ = fit(
+        HSTUPipelineStrategy("default_d6"),
+        data_cls=StreamData,
+        max_steps=10,
+        enable_checkpointing=True,
+        callbacks=[saver],
+        **options,
+    )
+    resumed, _ = fit(
+        HSTUPipelineStrategy("default_d6"), data_cls=StreamData, ckpt_path=tmp_path / "step=10.ckpt", **options
+    )
+    assert first.batches_seen + resumed.batches_seen == uninterrupted.batches_seen
     assert_same_weights(resumed, uninterrupted)
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch.utils.data import IterableDataset
 
 
 class EpochBatches:
@@ -26,11 +27,12 @@ class EpochBatches:
     - For stateful loaders it keeps the loader's state after each pull, keyed by how many batches the
       loader has produced in the epoch: a checkpoint saves the state from before the oldest batch not yet
       trained, not the state of a loader that is already ``depth`` batches ahead. Once every batch of the
-      epoch is trained, a checkpoint saves no loader state: the resumed fit's next epoch starts from a fresh
-      loader, as a plain ``DataLoader``'s does (its ``DistributedSampler`` given the new epoch by Lightning).
-      The state after the last batch's pull would make that epoch the rest of this one: nothing, or the
-      batches past ``limit_train_batches`` (under Lightning's own loop a checkpoint saved at the epoch's last
-      batch end resumes so).
+      epoch is trained, the state saved is the one the next epoch starts from: the loaders' state after they
+      ended, or, where the epoch ended first (``limit_train_batches``, a shorter rank), none for loaders of
+      map-style datasets (a new pass from the start, as a new iterator of the uninterrupted fit makes). The
+      state after the last batch's pull would make the resumed fit's next epoch the rest of this one: nothing,
+      or the batches past the limit (under Lightning's own loop a checkpoint saved at the epoch's last batch
+      end resumes so). Loaders of iterable datasets keep that state (a stream goes on where it was).
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class EpochBatches:
         self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
         self._keep_states = keep_states
         self._states: dict[int, list[dict[str, Any]]] = {}
+        self._ended_state: list[dict[str, Any]] | None = None  # after the loaders' StopIteration
+        self._streams = any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loader.flattened)
 
     @property
     def stateful(self) -> bool:
@@ -95,7 +99,8 @@ class EpochBatches:
                     has_batch = True
                     self._snapshot()
                 except StopIteration:
-                    pass
+                    if self._stateful:
+                        self._ended_state = self._fetcher.combined_loader._state_dicts()
             # after its end a rank still answers "no", until every rank has read "not every rank has a batch"
             ended = not has_batch
             answer = self._ask_all_ranks_have(has_batch)
@@ -112,10 +117,13 @@ class EpochBatches:
         self.count = index - 1 - self.start  # every batch before the last one asked about
 
     def loader_state(self, produced: int) -> list[dict[str, Any]] | None:
-        """The stateful loaders' state when they had produced ``produced`` batches of this epoch; ``[]`` (none:
-        the next epoch starts from fresh loaders) once ``produced`` is every batch of the epoch."""
+        """The stateful loaders' state when they had produced ``produced`` batches of this epoch; once that is
+        every batch of the epoch, the state the next epoch starts from (see the class)."""
         if produced >= self._stop or (self.count is not None and produced >= self.start + self.count):
-            return []
+            if self._ended_state is not None:
+                return self._ended_state
+            if not self._streams:
+                return []  # none: fresh loaders, a new pass
         return self._states.get(produced)
 
     def _snapshot(self) -> None:
