@@ -69,9 +69,10 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(preset, loader, tmp_path)
 )
 def test_resume_at_the_end_of_an_epoch(loader, limit, preset, tmp_path):
     """A checkpoint saved at the end of the epoch's last batch (``every_n_train_steps`` landing there) resumes
-    into a whole next epoch. With a StatefulDataLoader it saves no loader state (the next epoch starts from a
-    fresh loader): the state after the last batch would make the next epoch the rest of this one (no batch,
-    or the two past ``limit_train_batches``), as it does under Lightning's own loop."""
+    into a whole next epoch. With a StatefulDataLoader it saves the loader's state after it ended, or none
+    where ``limit_train_batches`` ended the epoch first (a new pass from the start): the state after the last
+    batch would make the next epoch the rest of this one (no batch, or the two past the limit), as it does
+    under Lightning's own loop."""
     data, trainer_kwargs = LOADERS[loader]
     trainer_kwargs = {**trainer_kwargs, **({} if limit is None else {"limit_train_batches": limit})}
     uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data, **trainer_kwargs)

@@ -32,7 +32,8 @@ class EpochBatches:
       map-style datasets (a new pass from the start, as a new iterator of the uninterrupted fit makes). The
       state after the last batch's pull would make the resumed fit's next epoch the rest of this one: nothing,
       or the batches past the limit (under Lightning's own loop a checkpoint saved at the epoch's last batch
-      end resumes so). Loaders of iterable datasets keep that state (a stream goes on where it was).
+      end resumes so). Other loaders (of iterable datasets, or without a dataset) keep that state: a stream
+      goes on where it was.
     """
 
     def __init__(
@@ -56,7 +57,7 @@ class EpochBatches:
         self._keep_states = keep_states
         self._states: dict[int, list[dict[str, Any]]] = {}
         self._ended_state: list[dict[str, Any]] | None = None  # after the loaders' StopIteration
-        self._streams = any(isinstance(getattr(dl, "dataset", None), IterableDataset) for dl in loader.flattened)
+        self._map_style = all(_map_style(getattr(dl, "dataset", None)) for dl in loader.flattened)
 
     @property
     def stateful(self) -> bool:
@@ -122,7 +123,7 @@ class EpochBatches:
         if produced >= self._stop or (self.count is not None and produced >= self.start + self.count):
             if self._ended_state is not None:
                 return self._ended_state
-            if not self._streams:
+            if self._map_style:
                 return []  # none: fresh loaders, a new pass
         return self._states.get(produced)
 
@@ -133,6 +134,11 @@ class EpochBatches:
         self._states[produced] = self._fetcher.combined_loader._state_dicts()
         for old in [n for n in self._states if n < produced - self._keep_states]:
             del self._states[old]
+
+
+def _map_style(dataset: Any) -> bool:
+    """Whether ``dataset`` is indexed (a new iterator of its loader makes a new pass from the start)."""
+    return not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
 
 
 def batch_sizes(loaders: CombinedLoader) -> list[int | None]:
