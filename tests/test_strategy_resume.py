@@ -58,6 +58,15 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(preset, loader, tmp_path)
     assert_same_weights(resumed, uninterrupted)
 
 
+AT_EPOCH_END = {
+    **LOADERS,
+    "StatefulDataLoader, shuffled by DistributedSampler": (
+        dict(stateful=True, shuffle=True),
+        LOADERS["plain DataLoader, shuffled by DistributedSampler"][1],
+    ),
+}
+
+
 @pytest.mark.usefixtures("no_thread_left")
 @pytest.mark.parametrize(
     "loader, limit, preset",
@@ -65,6 +74,7 @@ def test_mid_epoch_resume_equals_the_uninterrupted_run(preset, loader, tmp_path)
         ("plain DataLoader, shuffled by DistributedSampler", None, "default_d6"),
         ("StatefulDataLoader", None, "legacy_none"),
         ("StatefulDataLoader", 10, "default_d6"),
+        ("StatefulDataLoader, shuffled by DistributedSampler", None, "default_d6"),
     ],
 )
 def test_resume_at_the_end_of_an_epoch(loader, limit, preset, tmp_path):
@@ -72,8 +82,9 @@ def test_resume_at_the_end_of_an_epoch(loader, limit, preset, tmp_path):
     into a whole next epoch. With a StatefulDataLoader it saves the loader's state after it ended, or none
     where ``limit_train_batches`` ended the epoch first (a new pass from the start): the state after the last
     batch would make the next epoch the rest of this one (no batch, or the two past the limit), as it does
-    under Lightning's own loop."""
-    data, trainer_kwargs = LOADERS[loader]
+    under Lightning's own loop; and the next epoch's iterator is made again once the sampler has the new
+    epoch (Lightning made it before: the ended epoch's order again)."""
+    data, trainer_kwargs = AT_EPOCH_END[loader]
     trainer_kwargs = {**trainer_kwargs, **({} if limit is None else {"limit_train_batches": limit})}
     uninterrupted, _ = fit(HSTUPipelineStrategy(preset), data_kwargs=data, **trainer_kwargs)
     epoch = limit or 12

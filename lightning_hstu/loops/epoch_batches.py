@@ -136,6 +136,22 @@ class EpochBatches:
             del self._states[old]
 
 
+def new_pass(fetcher: _DataFetcher) -> None:
+    """Make ``fetcher``'s loaders start a new pass where they are stateful loaders of map-style datasets.
+
+    For a fit that resumes from a checkpoint saved at the end of an epoch's last batch, Lightning makes the
+    loaders' iterators (to restore their state) before it gives their samplers the new epoch, and then
+    trains the new epoch from those iterators: a ``StatefulDataLoader`` has drawn its sampler's order by then,
+    so under a ``DistributedSampler`` it would train the new epoch in the ended epoch's order. A plain
+    ``DataLoader`` draws its order at the first batch, after the sampler got its epoch; a stream goes on from
+    its restored state, which a new iterator would skip past."""
+    loaders = fetcher.combined_loader.flattened
+    if any(isinstance(dl, _Stateful) for dl in loaders) and all(
+        _map_style(getattr(dl, "dataset", None)) for dl in loaders
+    ):
+        iter(fetcher)
+
+
 def _map_style(dataset: Any) -> bool:
     """Whether ``dataset`` is indexed (a new iterator of its loader makes a new pass from the start)."""
     return not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from ..engine import Engine, StepResult, TaskRecord
-from .epoch_batches import BATCH_SIZES_KEY, WORLD_SIZE_KEY, EpochBatches, record_shares
+from .epoch_batches import BATCH_SIZES_KEY, WORLD_SIZE_KEY, EpochBatches, new_pass, record_shares
 from .errors import CheckpointError
 from .lightning_tasks import LightningTasks, TrainBatch
 from .step_context import StepContext
@@ -64,8 +64,11 @@ class EngineEpochLoop(_TrainingEpochLoop):
         # (a rank that failed before the first epoch ends the others with its error, not the groups' timeout)
         engine = self._start_engine()
         self._agree_epoch_length()
+        at_epoch_end = self.restarting and self.restarted_on_train_batch_end  # saved at a batch end: maybe the last
         self.reset()
         self.on_run_start(data_fetcher)
+        if at_epoch_end and self.batch_progress.current.ready == 0:  # Lightning's reset began the next epoch
+            new_pass(data_fetcher)
         if self._resume_validation(data_fetcher) or self.done:
             return
         if isinstance(data_fetcher, _DataLoaderIterDataFetcher):
