@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hstu import Engine, HSTUPipelineStrategy, get_plan
-from lightning_hstu.loops.lightning_tasks import UNSHUFFLED
+from lightning_hstu.loops.lightning_tasks import UNSHUFFLED, _passthrough
 
 
 class Tiny(pl.LightningModule):
@@ -111,16 +111,9 @@ def engine_us(steps: int, warmup: int, preset: str, step_timeout: float | None) 
         "optimizer_step": lambda b: optimizer.step(),
     }
 
-    def passing(task):
-        def body(b):
-            for slot in task.writes:
-                source = UNSHUFFLED.get(slot, "batch" if slot == "device_batch" else None)
-                b[slot] = None if source is None else b[source]
-
-        return body
-
+    copies = {**UNSHUFFLED, "device_batch": "batch"}  # h2d passes the host batch on: the step is on the CPU
     plan = get_plan(preset)
-    bodies = {t.name: own[t.name] if t.name in own else passing(t) for t in plan.tasks}
+    bodies = {t.name: own[t.name] if t.name in own else _passthrough(t, copies) for t in plan.tasks}
     start = None
     with Engine(plan, bodies, step_timeout=step_timeout) as engine:
         for result in engine.steps(loader(steps)):

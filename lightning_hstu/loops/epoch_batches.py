@@ -53,11 +53,11 @@ class EpochBatches:
         self._stop = stop
         self._ask_all_ranks_have = ask_all_ranks_have
         loader = fetcher.combined_loader
-        self._stateful = any(isinstance(dl, _Stateful) for dl in loader.flattened)
+        self._stateful = _stateful(loader)
         self._keep_states = keep_states
         self._states: dict[int, list[dict[str, Any]]] = {}
         self._ended_state: list[dict[str, Any]] | None = None  # after the loaders' StopIteration
-        self._map_style = all(_map_style(getattr(dl, "dataset", None)) for dl in loader.flattened)
+        self._map_style = _map_style(loader)
 
     @property
     def stateful(self) -> bool:
@@ -145,16 +145,22 @@ def new_pass(fetcher: _DataFetcher) -> None:
     so under a ``DistributedSampler`` it would train the new epoch in the ended epoch's order. A plain
     ``DataLoader`` draws its order at the first batch, after the sampler got its epoch; a stream goes on from
     its restored state, which a new iterator would skip past."""
-    loaders = fetcher.combined_loader.flattened
-    if any(isinstance(dl, _Stateful) for dl in loaders) and all(
-        _map_style(getattr(dl, "dataset", None)) for dl in loaders
-    ):
+    loaders = fetcher.combined_loader
+    if _stateful(loaders) and _map_style(loaders):
         iter(fetcher)
 
 
-def _map_style(dataset: Any) -> bool:
-    """Whether ``dataset`` is indexed (a new iterator of its loader makes a new pass from the start)."""
-    return not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+def _stateful(loaders: CombinedLoader) -> bool:
+    """Whether any of ``loaders`` keeps a state (a checkpoint saves it)."""
+    return any(isinstance(loader, _Stateful) for loader in loaders.flattened)
+
+
+def _map_style(loaders: CombinedLoader) -> bool:
+    """Whether every one of ``loaders`` has an indexed dataset (a new iterator makes a new pass from the start)."""
+    datasets = [getattr(loader, "dataset", None) for loader in loaders.flattened]
+    return all(
+        not isinstance(d, IterableDataset) and hasattr(d, "__len__") and hasattr(d, "__getitem__") for d in datasets
+    )
 
 
 def batch_sizes(loaders: CombinedLoader) -> list[int | None]:
