@@ -244,6 +244,45 @@ def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(devic
         kernel.projected_attention(uvqk[:, :150], heads, a, d, offsets, times, bias.position, bias.time, 16)
 
 
+@pytest.mark.parametrize("launch", ["bias gradients in dq", "dk from the stored score gradients"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_sharing_a_batch_plan_compute_it_once_and_train_alike(device, launch, monkeypatch):
+    """Two layers' attention over one batch with one ``plans`` dict (as ``JaggedTokens`` gives every layer):
+    the batch's time ranges computed by the first call only, and outputs and gradients equal to calls that
+    each compute their own."""
+    configs = kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
+    computed = []
+    time_ranges = kernel.time_ranges
+    monkeypatch.setattr(kernel, "time_ranges", lambda *a: computed.append(1) or time_ranges(*a))
+    heads, a, d = 2, 16, 24
+    _, _, _, offsets, times, _ = jagged_batch([9, 1, 14, 30], heads, a, d, 8, device)
+    gen = torch.Generator().manual_seed(3)
+    uvqk = [torch.randn(len(times), heads * (2 * d + 2 * a), generator=gen).to(device) for _ in range(2)]
+    biases = [bias_tables(32, 8, device, seed=s) for s in (1, 2)]
+
+    def run(plans_per_call):
+        xs = [x.detach().clone().requires_grad_() for x in uvqk]
+        for bias in biases:
+            bias.zero_grad()
+        total, outputs = 0, []
+        for x, bias in zip(xs, biases):
+            plans = plans_per_call()
+            u, y = kernel.projected_attention(x, heads, a, d, offsets, times, bias.position, bias.time, 32, True, plans)
+            total = total + (u * u).sum() + (y * torch.arange(y.shape[-1], device=y.device)).sum()
+            outputs.append(y.detach())
+        total.backward()
+        return outputs + [t.grad for t in xs] + [p.grad for bias in biases for p in (bias.position, bias.time)]
+
+    shared = {}
+    together = run(lambda: shared)
+    assert len(computed) == 1 and len(shared) == 1
+    computed.clear()
+    for got, expected in zip(together, run(lambda: None)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert len(computed) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not compute bf16")
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):

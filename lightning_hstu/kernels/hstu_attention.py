@@ -1956,6 +1956,23 @@ def time_ranges(
     return ranges, block
 
 
+def _batch_plan(
+    timestamps: torch.Tensor, offsets: torch.Tensor, max_len: int, configs: dict, plans: dict | None
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """The tiles' time ranges, their block size and the sequences' order (``time_ranges``, ``_sequence_order``):
+    what the kernels read of the batch's times and lengths, alike in every layer. ``plans``: None, or a dict
+    kept for one batch (one ``offsets`` and ``timestamps``) by the caller: the layers after the first then
+    reuse the first's (kernels launched once per batch, not once per layer)."""
+    key = (range_block(configs), max(_tile_sides(configs)), max_len, _ordered(configs))
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        ranges, block = time_ranges(timestamps, offsets, max_len, configs)
+        plan = ranges, block, _sequence_order(offsets, configs)
+        if plans is not None:
+            plans[key] = plan
+    return plan
+
+
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: dict) -> tuple[int, int, int]:
     """The ranks (blocks of the longest sequence), the sequences and one more (the rows after the last
     sequence), and the heads, laid out as ``_program`` reads them for the config's ``ORDER``."""
@@ -1967,9 +1984,14 @@ def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: d
     }[config["ORDER"]]
 
 
+def _ordered(configs: dict) -> bool:
+    """Whether a kernel's ``ORDER`` is "sequences" (reads the sequences' order)."""
+    return any(configs[kind]["ORDER"] == "sequences" for kind in _launched(configs))
+
+
 def _sequence_order(offsets: torch.Tensor, configs: dict) -> torch.Tensor | None:
     """The sequences' indices, longest first, where a kernel's ``ORDER`` is "sequences" (else None)."""
-    if all(configs[kind]["ORDER"] != "sequences" for kind in _launched(configs)):
+    if not _ordered(configs):
         return None
     return torch.argsort(offsets.diff(), descending=True, stable=True).to(torch.int32)
 
@@ -1993,14 +2015,15 @@ def _sequences(q, offsets, timestamps, ranges, position, time) -> tuple:
     return offsets, q.shape[0], timestamps, ranges, ranges.shape[1], position, time
 
 
-def _forward(q, k, v, offsets, timestamps, position, time, max_len, grads: bool) -> tuple[torch.Tensor, dict]:
+def _forward(
+    q, k, v, offsets, timestamps, position, time, max_len, grads: bool, plans: dict | None = None
+) -> tuple[torch.Tensor, dict]:
     """The forward kernel's output and what the backward needs besides q, k, v and the inputs (``grads``:
-    whether a backward may follow; if not, the scores are not stored)."""
+    whether a backward may follow; if not, the scores are not stored; ``plans``: ``_batch_plan``'s)."""
     sizes = _sizes(q, v, position, time, max_len)
     configs = _checked(kernel_configs(sizes["BLOCK_A"], sizes["BLOCK_D"], q.dtype, q.device))
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # the kernel zeroes the rows after the last sequence
-    ranges, range_block = time_ranges(timestamps, offsets, max_len, configs)
-    order = _sequence_order(offsets, configs)
+    ranges, range_block, order = _batch_plan(timestamps, offsets, max_len, configs, plans)
     config = configs["fwd"]
     scores, side, head_rows = None, 0, 0
     if grads and configs.get("store_s"):  # the backward's buffer of score gradients, the scores in it first
@@ -2202,12 +2225,14 @@ class _ProjectedAttention(torch.autograd.Function):
     """``projected_attention``: one gradient tensor for the projection, its parts written in place."""
 
     @staticmethod
-    def forward(ctx, x, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu):
+    def forward(
+        ctx, x, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu, plans
+    ):
         pre = x.contiguous() if silu else None  # the strides of the gradient written beside it
         uvqk = torch.nn.functional.silu(pre) if silu else x
         u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
         _check(q, k, v, offsets, timestamps, position, time)
-        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads)
+        out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads, plans)
         ctx.save_for_backward(uvqk, pre, offsets, timestamps, position, time)
         ctx.dims = heads, attention_dim, hidden_dim
         return u.flatten(-2), out.flatten(-2)
@@ -2230,7 +2255,7 @@ class _ProjectedAttention(torch.autograd.Function):
         )
         pres = None if pre is None else (pre_q, pre_k, pre_v)
         d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pres)
-        return d_x, None, None, d_position, d_time, None, None, None, None, None, None
+        return d_x, None, None, d_position, d_time, None, None, None, None, None, None, None
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -2293,6 +2318,7 @@ def projected_attention(
     time: torch.Tensor,
     max_len: int,
     silu: bool = False,
+    plans: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The HSTU layer's attention from its projection: ``uvqk`` ``[N, heads * (2 hidden_dim + 2
     attention_dim)]`` holds U, V, Q and K side by side (in that order, each ``heads`` wide). Returns U
@@ -2303,7 +2329,10 @@ def projected_attention(
     would concatenate four gradient tensors into a new one. With ``silu`` the projection is the layer's
     pre-activations x and U, V, Q and K are SiLU(x) (computed here): the kernels then write the gradients
     with respect to x, SiLU's derivative applied as they store dq, dk and dv (and U's in one kernel), where
-    SiLU's own backward would read and write the whole gradient once more."""
+    SiLU's own backward would read and write the whole gradient once more. ``plans``: a dict the caller
+    keeps for one batch's ``offsets`` and ``timestamps`` and passes to every layer's call, so that what the
+    kernels read of the batch's times and lengths (the tiles' time ranges, the sequences' order) is computed
+    by the first call only; None computes it at every call."""
     width = heads * (2 * hidden_dim + 2 * attention_dim)
     if uvqk.dim() != 2 or uvqk.shape[-1] != width:
         raise ValueError(
@@ -2312,5 +2341,5 @@ def projected_attention(
         )
     grads = _grads(uvqk, position, time)
     return _ProjectedAttention.apply(
-        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu
+        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu, plans
     )

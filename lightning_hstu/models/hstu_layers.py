@@ -257,6 +257,10 @@ class JaggedTokens(NamedTuple):
     """The attention takes the projection's pre-activations and applies SiLU itself
     (``projected_attention(silu=True)``): the kernels write the gradients with respect to the
     pre-activations, where SiLU's backward would make another pass over the projection's gradient."""
+    plans: dict | None = None
+    """What the kernels read of these sequences' times and lengths, computed by the first layer's attention
+    and reused by the others (``projected_attention``'s ``plans``): a new dict per batch; None computes it
+    in every layer."""
 
     def attention(
         self, uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, bias: RelativeBias
@@ -276,6 +280,7 @@ class JaggedTokens(NamedTuple):
             bias.time,
             self.max_len,
             self.silu,
+            self.plans,
         )
 
 
@@ -392,7 +397,8 @@ class HSTUStack(nn.Module):
         if grouped:
             tokens = GroupedTokens.of(offsets, timestamps, self.layers[0].bias) if len(self.layers) else None
         else:
-            tokens = JaggedTokens(offsets, timestamps, self.max_seq_len, self.config.compile_layers and x.is_cuda)
+            compiled = self.config.compile_layers and x.is_cuda
+            tokens = JaggedTokens(offsets, timestamps, self.max_seq_len, compiled, plans={})
         return self._run(self._inputs(x, positions), tokens)
 
     def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
