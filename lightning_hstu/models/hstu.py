@@ -598,17 +598,17 @@ class JaggedInputs(NamedTuple):
 GROWN = tuple(JaggedInputs._fields.index(f) for f in ("events", "targets", "times", "actions", "target_ids"))
 """The token-wise ``JaggedInputs``: grown to a token capacity in a CUDA graph."""
 
-JAGGED_GRAPHS = 24
-"""Graphs of the jagged dense part, one per token capacity (``token_capacity``: eight per power of two): 24
+JAGGED_GRAPHS = 96
+"""Graphs of the jagged dense part, one per token capacity (``token_capacity``: thirty-two per power of two): 96
 cover batches whose event counts span three octaves. With 6, a seventh capacity of the light benchmark's
 batches (H200, 2026-12-01) ran eagerly at every one of its batches, at about twice a replayed step's time."""
 
 
 def token_capacity(events: int, most: int) -> int:
-    """``events`` rounded up to one of eight steps per power of two (at most 12.5% more), capped at
+    """``events`` rounded up to one of thirty-two steps per power of two (at most 3.125% more), capped at
     ``most``: the few static token counts the jagged dense part is captured for. The rows past the events
     cost the attention nothing, but the linear maps, norms and losses compute them all."""
-    step = 1 << max(0, events.bit_length() - 4)
+    step = 1 << max(0, events.bit_length() - 6)
     return min(-(-events // step) * step, most)
 
 
