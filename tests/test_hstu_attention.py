@@ -249,7 +249,8 @@ def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(devic
 def test_layers_sharing_a_batch_plan_compute_it_once_and_train_alike(device, launch, monkeypatch):
     """Two layers' attention over one batch with one ``plans`` dict (as ``JaggedTokens`` gives every layer):
     the batch's time ranges computed by the first call only, and outputs and gradients equal to calls that
-    each compute their own."""
+    each compute their own (bitwise; the bias tables' gradients, which a GPU sums by atomic adds in no fixed
+    order, to fp32 rounding there)."""
     configs = kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
     computed = []
@@ -278,8 +279,13 @@ def test_layers_sharing_a_batch_plan_compute_it_once_and_train_alike(device, lau
     together = run(lambda: shared)
     assert len(computed) == 1 and len(shared) == 1
     computed.clear()
-    for got, expected in zip(together, run(lambda: None)):
+    alone = run(lambda: None)
+    tables = 4  # the bias tables' gradients, last: on a GPU summed by atomic adds, in no fixed order
+    for got, expected in zip(together[:-tables], alone[:-tables]):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    rounding = 0.0 if device == "cpu" else 1e-6  # of fp32 sums, as a share of the table's largest entry
+    for got, expected in zip(together[-tables:], alone[-tables:]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=rounding * expected.abs().max().item())
     assert len(computed) == 2
 
 
