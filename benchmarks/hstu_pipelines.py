@@ -477,14 +477,15 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
-    for preset in args.presets if "engine" in rows else ():
+    eager = "eager" in args.engine_rows
+    for preset in args.presets if "engine" in rows and eager else ():
         run, engine = run_engine(model, optimizer, autocast, device, preset)
         try:
             results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan))
         finally:
             engine.close()
-    best = fastest_preset(results, " (Engine)")
-    if device.type == "cuda" and best:
+    best = fastest_preset(results, " (Engine)") if eager else args.presets[0] if "engine" in rows else None
+    if device.type == "cuda" and best and "graphs" in args.engine_rows:
         run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
         try:
             results.append(
@@ -598,6 +599,15 @@ def main():
         choices=ROWS,
         help="which groups of rows to run (a process per group keeps one mode's leftovers, e.g. models, "
         "engines and captured graphs, out of the next one's time)",
+    )
+    parser.add_argument(
+        "--engine-rows",
+        nargs="+",
+        default=["eager", "graphs"],
+        choices=["eager", "graphs"],
+        help="the Engine rows to run: the presets eagerly, and the fastest of them with graphs (graphs alone: the "
+        "first of --presets). On an 80 GB card the seed workload's graphed row runs only in a process of its own, "
+        "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (BENCHMARKS.md)",
     )
     parser.add_argument(
         "--kernels",
