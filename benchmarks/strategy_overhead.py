@@ -10,15 +10,18 @@ the loops' own host work per step. On a GPU machine that work runs on the host w
 and competes for the GIL with the threads that launch the step.
 
     python benchmarks/strategy_overhead.py [--steps 3000] [--repeats 5] [--presets legacy_none default_d6] \
-        [--pin-threads CORE] [--devices 2]
+        [--pin-threads CORE] [--devices 2] [--every-hook]
 
 Prints per mode the median over repeats of the us per step (each repeat a fresh Trainer; the first
 ``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop. With
 ``--devices N`` (N > 1) every mode runs on N gloo ranks that Lightning's launcher starts (rank 0 prints;
-the plain loop and the single-device loop are left out, the differences are to Lightning's DDP loop).
+the plain loop and the single-device loop are left out, the differences are to Lightning's DDP loop). With
+``--every-hook`` the user's path rows also run with every per-batch hook dispatched, as Lightning's loop
+dispatches them (the epoch loop skips those that nothing overrides: ``loops/hook_calls.py``).
 """
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -32,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hstu import Engine, HSTUPipelineStrategy, get_plan
+from lightning_hstu.loops import epoch_loop
 from lightning_hstu.loops.lightning_tasks import UNSHUFFLED, _passthrough
 
 
@@ -146,6 +150,20 @@ def trainer_us(
     return clock.per_step_us()
 
 
+def _every_hook(run):
+    """``run`` with the epoch loop dispatching every per-batch hook, as Lightning's loop does."""
+
+    def every_hook():
+        skipping = epoch_loop.skipping_idle_hooks
+        epoch_loop.skipping_idle_hooks = contextlib.nullcontext
+        try:
+            return run()
+        finally:
+            epoch_loop.skipping_idle_hooks = skipping
+
+    return every_hook
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3000)
@@ -158,6 +176,12 @@ def main():
         "--pin-threads", type=int, metavar="CORE", help="also each preset with HSTUPipelineStrategy(pin_threads=CORE)"
     )
     parser.add_argument("--devices", type=int, default=1, help="gloo ranks (processes) per mode")
+    parser.add_argument(
+        "--every-hook",
+        action="store_true",
+        help="the user's path rows also with every per-batch hook dispatched (without the epoch loop's skipping of "
+        "the hooks that nothing overrides, loops/hook_calls.py)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and on the process group, every fit
 
@@ -176,6 +200,10 @@ def main():
             modes[f"Engine, {preset}, no timeout"] = lambda p=preset: engine_us(args.steps, args.warmup, p, None)
         modes[f"user's path, {preset}"] = fit(lambda p=preset: HSTUPipelineStrategy(p))
         modes[f"user's path, {preset}, no timeout"] = fit(lambda p=preset: HSTUPipelineStrategy(p, step_timeout=None))
+        if args.every_hook:
+            for timeout, suffix in ((600.0, ""), (None, ", no timeout")):
+                strategy = lambda p=preset, t=timeout: HSTUPipelineStrategy(p, step_timeout=t)  # noqa: E731
+                modes[f"user's path, {preset}{suffix}, every hook"] = _every_hook(fit(strategy))
         if args.pin_threads is not None:
             modes[f"user's path, {preset}, pin_threads={args.pin_threads}"] = fit(
                 lambda p=preset: HSTUPipelineStrategy(p, pin_threads=args.pin_threads)

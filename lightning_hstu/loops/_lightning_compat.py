@@ -43,6 +43,8 @@ MIRRORED = {
     "lightning.pytorch.trainer.connectors.data_connector:_DataHookSelector.get_instance": "3abe90f0b162ec28ced6ff909624ea0b821bbd945fe26c2fceded7fcd20f72ba",
     "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers": "cd4b642fd86bfc6f4168728e74aff715aa7aad92efa61a0d6a25f21a42f955ab",
     "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn": "5f73424dfc7ee25a516a0b4cc29e5872550ea2f9b90490f508e6493364d4665b",
+    "lightning.pytorch.trainer.call:_call_callback_hooks": "c413fb9a6a9ce1a31d0c48ce381076ae9113f5db9862e5a5c58e95c7282ba2f3",
+    "lightning.pytorch.trainer.call:_call_lightning_module_hook": "558a87d04c4680e11dedd13657c37abf63e2da69ec5721e1cc330b6b699c2d8c",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""
 
