@@ -3,6 +3,7 @@ Lightning's loop."""
 
 from collections import Counter
 
+import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import SimpleProfiler
@@ -101,8 +102,8 @@ def test_with_a_profiler_every_hook_is_dispatched_and_reported_as_under_lightnin
     assert len(sections["engine"]) == 2 * len(IDLE_BY_DEFAULT)  # BatchEnds' and the module's, each hook
 
 
-def test_another_strategys_trainer_gets_every_call_while_the_engine_skips(dispatched):
-    with skipping_idle_hooks():
+def test_another_trainer_gets_every_call_while_the_engine_skips(dispatched):
+    with skipping_idle_hooks(pl.Trainer(logger=False)):  # another trainer's engine loop running meanwhile
         fit("auto", model_cls=AfterBackward, callbacks=[BatchEnds()], max_epochs=1)
     assert dispatched["module"]["on_before_backward"] == dispatched["callbacks"]["on_before_backward"] == 12
 
@@ -120,6 +121,7 @@ def test_lightnings_dispatchers_are_back_after_a_fit_and_after_a_failed_one():
     with pytest.raises(Exception, match="boom"):
         fit(HSTUPipelineStrategy("default_d6"), model_cls=Fails, max_epochs=1)
     assert (call._call_callback_hooks, call._call_lightning_module_hook) == LIGHTNINGS
-    with skipping_idle_hooks(), skipping_idle_hooks():  # nested: one installation, removed by the outer end
+    trainer = pl.Trainer(logger=False)
+    with skipping_idle_hooks(trainer), skipping_idle_hooks(trainer):  # nested: one installation
         assert call._call_callback_hooks is hook_calls._callback_hooks
     assert (call._call_callback_hooks, call._call_lightning_module_hook) == LIGHTNINGS

@@ -92,7 +92,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
             # or the fetcher would count them twice and declare the epoch over early
             data_fetcher.fetched -= start
             self._batches.skip(start)
-        with skipping_idle_hooks():  # the per-batch hooks that nothing overrides are not called
+        with skipping_idle_hooks(self.trainer):  # the per-batch hooks that nothing overrides are not called
             try:
                 with contextlib.closing(
                     engine.steps(self._batches, self._before_step, start=start, source=self._batches.describe())

@@ -7,14 +7,15 @@ dispatchers: a profiler section, and ``_current_fx_name`` set and reset on the m
 attribute write, the slow path). Skipping those that nothing overrides took 31-111 us off the toy step's 450-750
 us on the 2-core CPU machine (BENCHMARKS.md). While the engine's epoch loop runs, ``skipping_idle_hooks``
 puts dispatchers in front of Lightning's that return at once where the hook is one of those six, the module's
-(or every callback's) is the default, and the trainer's profiler is Lightning's ``PassThroughProfiler`` (which
-records nothing); any other call goes to Lightning's dispatcher unchanged, so that what runs, in which order,
+(or every callback's) is the default, and the loop's trainer's profiler is Lightning's ``PassThroughProfiler``
+(which records nothing); any other call goes to Lightning's dispatcher unchanged, so that what runs, in which order,
 with which ``_current_fx_name``, is Lightning's. With a profiler every call is made, as Lightning makes it,
 so that its report lists them.
 """
 
 import contextlib
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,21 +36,13 @@ IDLE_BY_DEFAULT = frozenset(
 """The per-batch training hooks whose defaults, on ``Callback`` and on ``LightningModule``, do nothing."""
 
 _lock = threading.Lock()
-_users = 0  # epoch loops running with the dispatchers in place
+_running: Counter = Counter()  # trainer -> epoch loops of it running with the dispatchers in place
 _lightning_callback_hooks = call._call_callback_hooks
 _lightning_module_hook = call._call_lightning_module_hook
 
 
-_strategy_class: type | None = None  # HSTUPipelineStrategy, imported at the first call (it imports this module)
-
-
 def _skipping(trainer: "pl.Trainer") -> bool:
-    global _strategy_class
-    if _strategy_class is None:
-        from ..strategies.hstu_pipeline import HSTUPipelineStrategy
-
-        _strategy_class = HSTUPipelineStrategy
-    return type(trainer.profiler) is PassThroughProfiler and isinstance(trainer.strategy, _strategy_class)
+    return trainer in _running and type(trainer.profiler) is PassThroughProfiler
 
 
 def _is_default(hook: Any, default: Any) -> bool:
@@ -74,21 +67,22 @@ def _module_hook(trainer, hook_name, *args, pl_module=None, **kwargs):
 
 
 @contextlib.contextmanager
-def skipping_idle_hooks() -> Iterator[None]:
-    """Inside: ``trainer.call``'s callback and module dispatchers skip the idle per-batch hooks of trainers
-    whose strategy is an ``HSTUPipelineStrategy`` without a profiler; other trainers' calls are Lightning's.
-    Nested and concurrent uses share one installation, removed when the last ends."""
-    global _users
+def skipping_idle_hooks(trainer: "pl.Trainer") -> Iterator[None]:
+    """Inside: ``trainer.call``'s callback and module dispatchers skip ``trainer``'s idle per-batch hooks when it
+    has no profiler; other trainers' calls are Lightning's. Nested and concurrent uses share one installation,
+    removed when the last ends."""
     with _lock:
-        if _users == 0:
+        if not _running:
             call._call_callback_hooks, call._call_lightning_module_hook = _callback_hooks, _module_hook
-        _users += 1
+        _running[trainer] += 1
     try:
         yield
     finally:
         with _lock:
-            _users -= 1
-            if _users == 0:  # put Lightning's back, unless another patch replaced ours meanwhile
+            _running[trainer] -= 1
+            if not _running[trainer]:
+                del _running[trainer]
+            if not _running:  # put Lightning's back, unless another patch replaced ours meanwhile
                 if call._call_callback_hooks is _callback_hooks:
                     call._call_callback_hooks = _lightning_callback_hooks
                 if call._call_lightning_module_hook is _module_hook:
