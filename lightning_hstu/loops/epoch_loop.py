@@ -92,41 +92,44 @@ class EngineEpochLoop(_TrainingEpochLoop):
             # or the fetcher would count them twice and declare the epoch over early
             data_fetcher.fetched -= start
             self._batches.skip(start)
-        with skipping_idle_hooks(self.trainer):  # the per-batch hooks that nothing overrides are not called
-            try:
-                with contextlib.closing(
+        try:
+            # the per-batch hooks that nothing overrides are not called while the steps run
+            with (
+                skipping_idle_hooks(self.trainer),
+                contextlib.closing(
                     engine.steps(self._batches, self._before_step, start=start, source=self._batches.describe())
-                ) as steps:
-                    for result in steps:
-                        self._records.extend(result.records)
-                        if result.batch is None:
-                            continue  # the fill: no batch reached lookahead 0 yet
-                        # Lightning's hooks may wait for the device (a logged loss's .item()) or launch a
-                        # collective: a rank that hangs there is reported like a hung step.
-                        with engine.watched(f"the end of batch {result.batch} (on_train_batch_end hooks, logging)"):
-                            self._finish_batch(result)
-                        self._pin_threads(engine)
-                        try:
-                            self.on_advance_end(data_fetcher)
-                        finally:
-                            self.on_iteration_done()
-                        if self.done:
-                            break
-            except BaseException as error:
-                self._strategy.sigterm.forget()
-                # before Lightning's on_exception hooks, which may themselves wait for the other ranks (a checkpoint)
-                self._strategy.note_failure(error)
-                # steps() has joined the engine's threads: a batch whose optimizer step they applied before the
-                # exception (a Ctrl-C while the step ran on another thread, a failure later in the same step) is
-                # trained, and a checkpoint saved on the exception must count it so
-                self._count_applied_step()
-                raise
-            finally:
-                self._strategy.release_threads()  # the next epoch's loader iterator starts with the cores
-                self._tasks.current = None
-                if self._profiling:  # a step that failed
-                    self._profiling = False
-                    self.trainer.profiler.stop("run_training_batch")
+                ) as steps,
+            ):
+                for result in steps:
+                    self._records.extend(result.records)
+                    if result.batch is None:
+                        continue  # the fill: no batch reached lookahead 0 yet
+                    # Lightning's hooks may wait for the device (a logged loss's .item()) or launch a
+                    # collective: a rank that hangs there is reported like a hung step.
+                    with engine.watched(f"the end of batch {result.batch} (on_train_batch_end hooks, logging)"):
+                        self._finish_batch(result)
+                    self._pin_threads(engine)
+                    try:
+                        self.on_advance_end(data_fetcher)
+                    finally:
+                        self.on_iteration_done()
+                    if self.done:
+                        break
+        except BaseException as error:
+            self._strategy.sigterm.forget()
+            # before Lightning's on_exception hooks, which may themselves wait for the other ranks (a checkpoint)
+            self._strategy.note_failure(error)
+            # steps() has joined the engine's threads: a batch whose optimizer step they applied before the
+            # exception (a Ctrl-C while the step ran on another thread, a failure later in the same step) is
+            # trained, and a checkpoint saved on the exception must count it so
+            self._count_applied_step()
+            raise
+        finally:
+            self._strategy.release_threads()  # the next epoch's loader iterator starts with the cores
+            self._tasks.current = None
+            if self._profiling:  # a step that failed
+                self._profiling = False
+                self.trainer.profiler.stop("run_training_batch")
         self._settle_sigterm(engine)
         # The epoch ended. After an exception the batches stay: Lightning saves a checkpoint on it after this
         # loop ends (OnExceptionCheckpoint, a SIGTERM's save), which takes the loader state from before the
