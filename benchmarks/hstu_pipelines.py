@@ -49,6 +49,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu_baselines import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
+from idle_gaps import idle_gaps, profile_trace, ranged_bodies, report_gaps
 
 from lightning_hstu import PRESET_NAMES, Engine, HSTUPipelineStrategy, get_plan
 from lightning_hstu.hstu.batch import HSTUBatch
@@ -170,7 +171,8 @@ def run_pipeline(model, optimizer, autocast, device):
     return run
 
 
-def run_engine(model, optimizer, autocast, device, preset, capture=False):
+def run_engine(model, optimizer, autocast, device, preset, capture=False, ranges=False):
+    """``ranges``: each task body inside a ``record_function`` range (for ``--gaps``)."""
     losses = []
     accumulators = model.dense_grads.accumulators()  # as HSTURecommender.hstu_graphs
     graphed = (  # as many capacities as the user's path captures
@@ -179,9 +181,10 @@ def run_engine(model, optimizer, autocast, device, preset, capture=False):
         else None
     )
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
+    bodies = engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed)
     engine = Engine(
         plan,
-        engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed),
+        ranged_bodies(bodies) if ranges else bodies,
         device=device if device.type == "cuda" else None,
         step_timeout=600,
         graphs={"forward": graphed} if capture else None,
@@ -380,9 +383,10 @@ def _kernel_ms(profiler, steps) -> float:
     return sum(e.self_device_time_total for e in profiler.key_averages()) / 1e3 / steps
 
 
-def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None):
+def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False):
     """``warm_passes``: passes over the measured batches before timing (graph capture needs each input
-    signature, e.g. each token capacity, seen a few times first)."""
+    signature, e.g. each token capacity, seen a few times first). ``gaps``: also the GPU's idle time between
+    kernels, from a profile with CPU ops (idle_gaps.py), after the kernel profile."""
     _reset_peak(device)
     run(batches[:warmup])
     for _ in range(warm_passes):
@@ -393,7 +397,10 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         times.append(ms)
         records = extra if isinstance(extra, list) else records
     kernel_ms, kernels = kernels_per_step(run, batches[warmup:], device)
+    measured = batches[warmup:]
+    idle = idle_gaps(profile_trace(run, measured, device), len(measured)) if gaps and device.type == "cuda" else None
     return {
+        "gaps": idle,
         "mode": name,
         "ms": statistics.median(times),
         "best": min(times),
@@ -455,8 +462,8 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
         optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
 
-    def measure_(name, run, passes=0, plan=None):
-        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan)
+    def measure_(name, run, passes=0, plan=None, gaps=False):
+        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps)
 
     def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
         return measure_trainer(
@@ -479,14 +486,14 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
     eager = "eager" in args.engine_rows
     for preset in args.presets if "engine" in rows and eager else ():
-        run, engine = run_engine(model, optimizer, autocast, device, preset)
+        run, engine = run_engine(model, optimizer, autocast, device, preset, ranges=bool(args.gaps))
         try:
-            results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan))
+            results.append(measure_(f"{preset} (Engine)", run, plan=engine.plan, gaps=bool(args.gaps)))
         finally:
             engine.close()
     best = fastest_preset(results, " (Engine)") if eager else args.presets[0] if "engine" in rows else None
     if device.type == "cuda" and best and "graphs" in args.engine_rows:
-        run, engine = run_engine(model, optimizer, autocast, device, best, capture=True)
+        run, engine = run_engine(model, optimizer, autocast, device, best, capture=True, ranges=bool(args.gaps))
         try:
             results.append(
                 measure_(
@@ -494,6 +501,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                     run,
                     passes=3,  # GraphedMethod's warm-up: 3
                     plan=engine.plan,
+                    gaps=bool(args.gaps),
                 )
             )
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
@@ -534,7 +542,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     return results, model
 
 
-def report(say, results, model, measured, negatives, world, steps, kernels=0):
+def report(say, results, model, measured, negatives, world, steps, kernels=0, gaps=0):
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
@@ -573,6 +581,9 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0):
             say(f"GPU kernels of '{mode}' minus '{eager['mode']}', ms and launches per step, largest first:")
             for name, ms, launches in kernel_differences(eager["kernels"], graphed["kernels"])[:kernels]:
                 say(f"  {ms:+8.3f} ms {launches:+7.1f}x  {name[:110]}")
+    for r in results if gaps else ():
+        if r.get("gaps"):
+            report_gaps(say, r["mode"], r["gaps"], gaps)
     before, after, shuffled = model.balance_totals
     if shuffled and world > 1:
         say(
@@ -608,6 +619,14 @@ def main():
         help="the Engine rows to run: the presets eagerly, and the fastest of them with graphs (graphs alone: the "
         "first of --presets). On an 80 GB card the seed workload's graphed row runs only in a process of its own, "
         "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="for the Engine rows, the GPU's idle time between kernels per step, by cause, and its N largest "
+        "places (task, op at the launch, kernel after the gap), from a profile with CPU ops (idle_gaps.py)",
     )
     parser.add_argument(
         "--kernels",
@@ -691,7 +710,7 @@ def main():
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()
                 continue
-            report(say, results, model, batches[args.warmup :], negatives, world, args.steps, args.kernels)
+            report(say, results, model, batches[args.warmup :], negatives, world, args.steps, args.kernels, args.gaps)
     dist.destroy_process_group()
 
 
