@@ -51,9 +51,11 @@ def ranged_bodies(bodies: dict) -> dict:
 
 
 def profile_trace(run, batches, device) -> list:
-    """The chrome-trace events of ``run(batches)`` under torch.profiler (CPU and CUDA activities)."""
+    """The chrome-trace events of ``run(batches)`` under torch.profiler (CPU and CUDA activities; the CPU ops
+    of every thread, the engine's included: by default only the threads that entered the profiler)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
         run(batches)
         torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as folder:
@@ -77,6 +79,17 @@ class _Spans:
         return sorted(found, key=lambda s: s[0])
 
 
+def _launch_place(launch, threads, ops):
+    """(thread, instant) at which to read the host ranges enclosing ``launch``: the launch's own, or where the
+    trace files runtime calls under a thread id of their own, the op that made the call (its "External id")."""
+    if launch is None:
+        return None
+    if launch["tid"] in threads:
+        return launch["tid"], launch["ts"]
+    op = ops.get(launch.get("args", {}).get("External id"))
+    return None if op is None or op["tid"] not in threads else (op["tid"], op["ts"])
+
+
 def idle_gaps(events: list, steps: int) -> dict:
     """Per step: GPU busy and idle ms, and the idle ms by (task, outermost op, kernel) and by cause."""
     gpu = sorted(
@@ -84,7 +97,7 @@ def idle_gaps(events: list, steps: int) -> dict:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     )
-    launches, waits, spans = {}, [], defaultdict(list)
+    launches, waits, spans, ops = {}, [], defaultdict(list), {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -96,6 +109,8 @@ def idle_gaps(events: list, steps: int) -> dict:
                 waits.append((e["ts"] + e.get("dur", 0), e["name"], e["tid"]))
         elif category in ("cpu_op", "user_annotation"):
             spans[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], category))
+            if "External id" in args:
+                ops[args["External id"]] = e
     threads = {tid: _Spans(s) for tid, s in spans.items()}
     waits.sort()
     wait_ends = [w[0] for w in waits]
@@ -115,8 +130,9 @@ def idle_gaps(events: list, steps: int) -> dict:
         i = bisect.bisect_left(wait_ends, run_end)
         waited = waits[i] if i < len(waits) and waits[i][0] <= start else None
         task = op = "?"
-        if launch is not None and launch["tid"] in threads:
-            enclosing = threads[launch["tid"]].enclosing(launch["ts"])
+        where = _launch_place(launch, threads, ops)
+        if where is not None:
+            enclosing = threads[where[0]].enclosing(where[1])
             tasks = [s[2] for s in enclosing if s[3] == "user_annotation" and s[2].startswith(TASK_RANGE)]
             ops = [s[2] for s in enclosing if s[3] == "cpu_op"]
             task = tasks[-1][len(TASK_RANGE) :] if tasks else "-"

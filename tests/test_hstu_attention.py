@@ -202,13 +202,18 @@ def test_a_batch_of_empty_sequences_gives_no_rows_and_zero_table_gradients(devic
 
 
 @pytest.mark.parametrize("launch", ["bias gradients in dq", "dk from the stored score gradients"])
-@pytest.mark.parametrize("silu, a, d", [(False, 16, 24), (True, 16, 24), (True, 128, 128)])
+@pytest.mark.parametrize(
+    "silu, silu_u, a, d", [(False, True, 16, 24), (True, True, 16, 24), (True, True, 128, 128), (True, False, 16, 24)]
+)
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(device, silu, a, d, launch, monkeypatch):
+def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(
+    device, silu, silu_u, a, d, launch, monkeypatch
+):
     """``projected_attention`` (the layer's path: one gradient for the projection, Q, K and V's parts
     written in place by the kernels) against splitting the projection and calling ``hstu_attention``: U,
     the output, the projection's gradient (U's part from U's gradient) and both tables' gradients; with
-    ``silu``, from the pre-activations x against SiLU(x) split (the gradient with respect to x)."""
+    ``silu``, from the pre-activations x against SiLU(x) split (the gradient with respect to x); without
+    ``silu_u``, U is x's own columns (not activated)."""
     configs = kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **LAUNCHES[launch]})
     heads = 2
@@ -229,11 +234,14 @@ def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(devic
         u, v, q, k = (torch.nn.functional.silu(x) if silu else x).split(
             [heads * d, heads * d, heads * a, heads * a], -1
         )
+        u = u if silu_u else x[:, : heads * d]
         q, k, v = q.unflatten(-1, (heads, a)), k.unflatten(-1, (heads, a)), v.unflatten(-1, (heads, d))
         return u, kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, 16).flatten(-2)
 
     def projected(x):
-        return kernel.projected_attention(x, heads, a, d, offsets, times, bias.position, bias.time, 16, silu)
+        return kernel.projected_attention(
+            x, heads, a, d, offsets, times, bias.position, bias.time, 16, silu, silu_u=silu_u
+        )
 
     for got, expected in zip(run(projected), run(split)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

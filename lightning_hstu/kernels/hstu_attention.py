@@ -2226,27 +2226,50 @@ class _ProjectedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu, plans
+        ctx,
+        x,
+        offsets,
+        timestamps,
+        position,
+        time,
+        max_len,
+        heads,
+        attention_dim,
+        hidden_dim,
+        grads,
+        silu,
+        silu_u,
+        plans,
     ):
         pre = x.contiguous() if silu else None  # the strides of the gradient written beside it
-        uvqk = torch.nn.functional.silu(pre) if silu else x
-        u, v, q, k = _split(uvqk, heads, attention_dim, hidden_dim)
+        if silu and not silu_u:  # U stays x's: SiLU of V, Q and K only
+            u = _split(pre, heads, attention_dim, hidden_dim)[0]
+            activated = _silu_rows(pre[:, u.shape[-2] * u.shape[-1] :])
+            v, q, k = _split_vqk(activated, heads, attention_dim, hidden_dim)
+        else:
+            activated = torch.nn.functional.silu(pre) if silu else x
+            u, v, q, k = _split(activated, heads, attention_dim, hidden_dim)
         _check(q, k, v, offsets, timestamps, position, time)
         out, ctx.state = _forward(q, k, v, offsets, timestamps, position, time, max_len, grads, plans)
-        ctx.save_for_backward(uvqk, pre, offsets, timestamps, position, time)
+        ctx.save_for_backward(activated, pre, offsets, timestamps, position, time)
         ctx.dims = heads, attention_dim, hidden_dim
+        ctx.silu_u = silu_u
+        ctx.width = x.shape[-1]
         return u.flatten(-2), out.flatten(-2)
 
     @staticmethod
     def backward(ctx, du, grad):
-        uvqk, pre, offsets, timestamps, position, time = ctx.saved_tensors
-        _, v, q, k = _split(uvqk, *ctx.dims)
-        d_x = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
+        activated, pre, offsets, timestamps, position, time = ctx.saved_tensors
+        if activated.shape[-1] == ctx.width:
+            _, v, q, k = _split(activated, *ctx.dims)
+        else:
+            v, q, k = _split_vqk(activated, *ctx.dims)
+        d_x = torch.empty((activated.shape[0], ctx.width), dtype=activated.dtype, device=activated.device)
         d_u, dv, dq, dk = _split(d_x, *ctx.dims)
         pre_u, pre_v, pre_q, pre_k = (None,) * 4 if pre is None else _split(pre, *ctx.dims)
         if du is None:
             d_u.zero_()
-        elif pre is None:
+        elif pre is None or not ctx.silu_u:  # U's gradient as it came (U not activated here)
             _copy_rows(d_u.flatten(-2), du)
         else:  # U's gradient times SiLU'(x), written into its columns (one kernel)
             torch.ops.aten.silu_backward.grad_input(du, pre_u.flatten(-2), grad_input=d_u.flatten(-2))
@@ -2255,7 +2278,31 @@ class _ProjectedAttention(torch.autograd.Function):
         )
         pres = None if pre is None else (pre_q, pre_k, pre_v)
         d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pres)
-        return d_x, None, None, d_position, d_time, None, None, None, None, None, None, None
+        return d_x, None, None, d_position, d_time, None, None, None, None, None, None, None, None
+
+
+@triton.jit
+def _silu_rows_kernel(out, x, rows, width, x_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out = SiLU(x)`` over ``[rows, width]``: ``x``'s rows contiguous, ``out`` contiguous."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < width)
+    value = tl.load(x + r * x_stride + c, mask=mask).to(tl.float32)
+    activated, _ = _silu(value, False)
+    tl.store(out + r * width + c, activated.to(out.dtype.element_ty), mask=mask)
+
+
+def _silu_rows(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``[N, W]`` ``x`` whose rows are contiguous (a view of some columns of a wider tensor), into a new
+    contiguous tensor: torch reads such a view one element at a time, this kernel in blocks of rows."""
+    if x.stride(-1) != 1:
+        return torch.nn.functional.silu(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, width = x.shape
+    block_r, block_c = 8, 256
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_c))
+    _silu_rows_kernel[grid](out, x, rows, width, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -2277,6 +2324,13 @@ def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
     widths = [heads * hidden_dim, heads * hidden_dim, heads * attention_dim, heads * attention_dim]
     dims = [hidden_dim, hidden_dim, attention_dim, attention_dim]
     return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split(widths, dim=-1), dims)]
+
+
+def _split_vqk(vqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
+    """V, Q and K: views ``[N, heads, dim]`` of ``[N, heads * (hidden + 2 attention)]`` (the projection less U)."""
+    widths = [heads * hidden_dim, heads * attention_dim, heads * attention_dim]
+    dims = [hidden_dim, attention_dim, attention_dim]
+    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(vqk.split(widths, dim=-1), dims)]
 
 
 def _grads(*tensors: torch.Tensor) -> bool:
@@ -2319,6 +2373,7 @@ def projected_attention(
     max_len: int,
     silu: bool = False,
     plans: dict | None = None,
+    silu_u: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The HSTU layer's attention from its projection: ``uvqk`` ``[N, heads * (2 hidden_dim + 2
     attention_dim)]`` holds U, V, Q and K side by side (in that order, each ``heads`` wide). Returns U
@@ -2332,7 +2387,10 @@ def projected_attention(
     SiLU's own backward would read and write the whole gradient once more. ``plans``: a dict the caller
     keeps for one batch's ``offsets`` and ``timestamps`` and passes to every layer's call, so that what the
     kernels read of the batch's times and lengths (the tiles' time ranges, the sequences' order) is computed
-    by the first call only; None computes it at every call."""
+    by the first call only; None computes it at every call. With ``silu`` and not ``silu_u``, U comes back as
+    x's (not activated; a view of ``uvqk``) and its gradient is taken as the gradient with respect to x: for a
+    caller that applies SiLU to U where it reads it (a compiled gating), so that neither SiLU of U nor its
+    derivative makes a pass over memory of its own."""
     width = heads * (2 * hidden_dim + 2 * attention_dim)
     if uvqk.dim() != 2 or uvqk.shape[-1] != width:
         raise ValueError(
@@ -2341,5 +2399,5 @@ def projected_attention(
         )
     grads = _grads(uvqk, position, time)
     return _ProjectedAttention.apply(
-        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu, plans
+        uvqk, offsets, timestamps, position, time, max_len, heads, attention_dim, hidden_dim, grads, silu, silu_u, plans
     )

@@ -159,10 +159,12 @@ def _layer_output(
     y: torch.Tensor,
     u: torch.Tensor,
     mask: torch.Tensor | None,
+    activate_u: bool = False,
 ) -> torch.Tensor:
     """x + f2(Norm(A V) * U), with dropout before the residual add; with ``mask`` (padded) the padding stays
-    as it came in."""
-    update = dropout(f2(norm(y) * u))
+    as it came in. ``activate_u``: ``u`` is the pre-activation, U = SiLU(u) (the fused attention leaves U's SiLU
+    to this function, where compiled it costs no pass of its own)."""
+    update = dropout(f2(norm(y) * (F.silu(u) if activate_u else u)))
     return x + (update if mask is None else update * mask[..., None])
 
 
@@ -179,8 +181,9 @@ def _layer_boundary(
     activate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What runs between two layers' attentions: a layer's output (the residual stream after it) and the
-    next layer's inputs computed from it (``_layer_inputs``)."""
-    x = _layer_output(norm, f2, dropout, x, y, u, mask)
+    next layer's inputs computed from it (``_layer_inputs``); without ``activate`` the attention applies SiLU
+    to V, Q and K and this function to U."""
+    x = _layer_output(norm, f2, dropout, x, y, u, mask, not activate)
     return x, _layer_inputs(next_norm, next_f1, x, activate)
 
 
@@ -193,9 +196,10 @@ def _stack_output(
     u: torch.Tensor,
     mask: torch.Tensor | None,
     final_norm: nn.Module,
+    activate_u: bool = False,
 ) -> torch.Tensor:
     """The last layer's output under the stack's norm."""
-    return final_norm(_layer_output(norm, f2, dropout, x, y, u, mask))
+    return final_norm(_layer_output(norm, f2, dropout, x, y, u, mask, activate_u))
 
 
 @functools.cache
@@ -254,9 +258,10 @@ class JaggedTokens(NamedTuple):
     compiled: bool = False
     """Run the layers' token-wise parts through ``torch.compile`` (``HSTUConfig.compile_layers``)."""
     silu: bool = True
-    """The attention takes the projection's pre-activations and applies SiLU itself
-    (``projected_attention(silu=True)``): the kernels write the gradients with respect to the
-    pre-activations, where SiLU's backward would make another pass over the projection's gradient."""
+    """The attention takes the projection's pre-activations and applies SiLU to V, Q and K itself
+    (``projected_attention(silu=True, silu_u=False)``): the kernels write the gradients with respect to the
+    pre-activations, where SiLU's backward would make another pass over the projection's gradient; U's SiLU
+    is the layer output's (``_layer_output(activate_u=True)``)."""
     plans: dict | None = None
     """What the kernels read of these sequences' times and lengths, computed by the first layer's attention
     and reused by the others (``projected_attention``'s ``plans``): a new dict per batch; None computes it
@@ -281,6 +286,7 @@ class JaggedTokens(NamedTuple):
             self.max_len,
             self.silu,
             self.plans,
+            silu_u=False,  # U's SiLU in the layer's output (``_layer_output``)
         )
 
 
@@ -425,7 +431,7 @@ class HSTUStack(nn.Module):
             x, uvqk = boundary(*parts, x, y, u, mask, following.norm, following.f1, activate)
         last = self.layers[-1]
         u, y = last.attend(uvqk, tokens)
-        return output(last.attention_norm, last.f2, last.dropout, x, y, u, mask, self.norm)
+        return output(last.attention_norm, last.f2, last.dropout, x, y, u, mask, self.norm, not activate)
 
 
 class Padding:
