@@ -2292,6 +2292,11 @@ def _silu_rows_kernel(out, x, rows, width, x_stride, BLOCK_R: tl.constexpr, BLOC
     tl.store(out + r * width + c, activated.to(out.dtype.element_ty), mask=mask)
 
 
+SILU_ROWS_LAUNCH = {"BLOCK_R": 8, "BLOCK_C": 256, "num_warps": 4}
+"""``_silu_rows_kernel``'s block of rows and columns per program and its warps (``benchmarks/rows_kernels.py``
+times others)."""
+
+
 def _silu_rows(x: torch.Tensor) -> torch.Tensor:
     """SiLU of ``[N, W]`` ``x`` whose rows are contiguous (a view of some columns of a wider tensor), into a new
     contiguous tensor: torch reads such a view one element at a time, this kernel in blocks of rows."""
@@ -2299,9 +2304,9 @@ def _silu_rows(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, width = x.shape
-    block_r, block_c = 8, 256
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_c))
-    _silu_rows_kernel[grid](out, x, rows, width, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
+    launch = SILU_ROWS_LAUNCH
+    grid = (triton.cdiv(rows, launch["BLOCK_R"]), triton.cdiv(width, launch["BLOCK_C"]))
+    _silu_rows_kernel[grid](out, x, rows, width, x.stride(0), **launch)
     return out
 
 
