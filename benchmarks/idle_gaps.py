@@ -65,33 +65,59 @@ def profile_trace(run, batches, device) -> list:
             return json.load(f)["traceEvents"]
 
 
-class _Spans:
-    """One host thread's profiler ranges (properly nested), for the ranges enclosing an instant."""
+def _stacks(spans: list, instants: list) -> list:
+    """For each instant (ascending), the spans of one host thread open at it, outermost first: one sweep
+    over the spans sorted by start (properly nested on a thread)."""
+    spans = sorted(spans, key=lambda s: (s[0], -s[1]))
+    stack, out, i = [], [], 0
+    for instant in instants:
+        while i < len(spans) and spans[i][0] <= instant:
+            while stack and stack[-1][1] < spans[i][0]:
+                stack.pop()
+            stack.append(spans[i])
+            i += 1
+        while stack and stack[-1][1] < instant:
+            stack.pop()
+        out.append(list(stack))
+    return out
 
-    def __init__(self, spans):
-        self.spans = sorted(spans, key=lambda s: (s[0], -s[1]))
-        self.starts = [s[0] for s in self.spans]
 
-    def enclosing(self, ts, look_back=4000):
-        """The spans containing ``ts``, outermost first."""
-        i = bisect.bisect_right(self.starts, ts)
-        found = [s for s in self.spans[max(0, i - look_back) : i] if s[1] >= ts]
-        return sorted(found, key=lambda s: s[0])
-
-
-def _launch_place(launch, threads, ops):
+def _launch_place(launch, spans, ops):
     """(thread, instant) at which to read the host ranges enclosing ``launch``: the launch's own, or where the
     trace files runtime calls under a thread id of their own, the op that made the call (its "External id")."""
     if launch is None:
         return None
-    if launch["tid"] in threads:
+    if launch["tid"] in spans:
         return launch["tid"], launch["ts"]
     op = ops.get(launch.get("args", {}).get("External id"))
-    return None if op is None or op["tid"] not in threads else (op["tid"], op["ts"])
+    return None if op is None or op["tid"] not in spans else (op["tid"], op["ts"])
+
+
+def _places(gpu: list, launches: dict, spans: dict, ops: dict) -> list:
+    """Per GPU event (as ``gpu`` orders them): (task, outermost op, innermost op) open on the host where its
+    launch was made, "?" where the trace does not say."""
+    queries = defaultdict(list)
+    for index, (_, _, correlation, _) in enumerate(gpu):
+        where = _launch_place(launches.get(correlation), spans, ops)
+        if where is not None:
+            queries[where[0]].append((where[1], index))
+    places = [("?", "?", "?")] * len(gpu)
+    for tid, asked in queries.items():
+        asked.sort()
+        for (_, index), stack in zip(asked, _stacks(spans[tid], [instant for instant, _ in asked])):
+            tasks = [s[2] for s in stack if s[3] == "user_annotation" and s[2].startswith(TASK_RANGE)]
+            cpu_ops = [s[2] for s in stack if s[3] == "cpu_op"]
+            places[index] = (
+                tasks[-1][len(TASK_RANGE) :] if tasks else "-",
+                cpu_ops[0] if cpu_ops else "-",
+                cpu_ops[-1] if cpu_ops else "-",
+            )
+    return places
 
 
 def idle_gaps(events: list, steps: int) -> dict:
-    """Per step: GPU busy and idle ms, and the idle ms by (task, outermost op, kernel) and by cause."""
+    """Per step: GPU busy and idle ms, the idle ms by (task, outermost op, kernel) and by cause, and each
+    kernel's ms and launches by the host ops that launched it (kernel, outermost op, innermost op)."""
     gpu = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"), e.get("name", ""))
         for e in events
@@ -111,15 +137,18 @@ def idle_gaps(events: list, steps: int) -> dict:
             spans[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], category))
             if "External id" in args:
                 ops[args["External id"]] = e
-    threads = {tid: _Spans(s) for tid, s in spans.items()}
+    if not gpu:
+        return {"busy_ms": 0.0, "idle_ms": 0.0, "by_place": [], "by_cause": [], "launchers": []}
+    places = _places(gpu, launches, dict(spans), ops)
     waits.sort()
     wait_ends = [w[0] for w in waits]
-    if not gpu:
-        return {"busy_ms": 0.0, "idle_ms": 0.0, "by_place": [], "by_cause": []}
-    by_place, by_cause = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+    by_place, by_cause, launchers = (defaultdict(lambda: [0.0, 0]) for _ in range(3))
+    for (start, end, _, kernel), (_, outer, inner) in zip(gpu, places):
+        launchers[(kernel, outer, inner)][0] += end - start
+        launchers[(kernel, outer, inner)][1] += 1
     busy = idle = 0.0
     run_start, run_end = gpu[0][0], gpu[0][1]
-    for start, end, correlation, kernel in gpu[1:]:
+    for (start, end, correlation, kernel), (task, outer, _) in zip(gpu[1:], places[1:]):
         gap = start - run_end
         if gap <= MIN_GAP_US:
             run_end = max(run_end, end)
@@ -128,24 +157,15 @@ def idle_gaps(events: list, steps: int) -> dict:
         idle += gap
         launch = launches.get(correlation)
         i = bisect.bisect_left(wait_ends, run_end)
-        waited = waits[i] if i < len(waits) and waits[i][0] <= start else None
-        task = op = "?"
-        where = _launch_place(launch, threads, ops)
-        if where is not None:
-            enclosing = threads[where[0]].enclosing(where[1])
-            tasks = [s[2] for s in enclosing if s[3] == "user_annotation" and s[2].startswith(TASK_RANGE)]
-            ops = [s[2] for s in enclosing if s[3] == "cpu_op"]
-            task = tasks[-1][len(TASK_RANGE) :] if tasks else "-"
-            op = ops[0] if ops else "-"
-        if waited is not None:
-            cause = f"after {waited[1]}"
+        if i < len(waits) and waits[i][0] <= start:
+            cause = f"after {waits[i][1]}"
         elif launch is None:
             cause = "launch not recorded"
         elif launch["ts"] + launch.get("dur", 0) >= run_end:
             cause = "launched after the GPU ran dry"
         else:
             cause = "launched before the gap (queue or dependency)"
-        for table, key in ((by_place, (task, op, kernel)), (by_cause, cause)):
+        for table, key in ((by_place, (task, outer, kernel)), (by_cause, cause)):
             table[key][0] += gap
             table[key][1] += 1
         run_start, run_end = start, end
@@ -160,6 +180,7 @@ def idle_gaps(events: list, steps: int) -> dict:
         "idle_ms": idle / 1e3 / steps,
         "by_place": per_step(by_place),
         "by_cause": per_step(by_cause),
+        "launchers": per_step(launchers),
     }
 
 
@@ -173,3 +194,6 @@ def report_gaps(say, mode: str, gaps: dict, top: int) -> None:
     say(f"  the {top} largest by task, outermost op at the launch, and the kernel that ended the gap:")
     for (task, op, kernel), ms, count in gaps["by_place"][:top]:
         say(f"  {ms:8.3f} ms {count:7.1f}x  {task:<16} {op[:40]:<40} {kernel[:70]}")
+    say(f"GPU kernels of '{mode}' by the host ops that launched them (outermost > innermost), the {top} largest:")
+    for (kernel, outer, inner), ms, count in gaps["launchers"][:top]:
+        say(f"  {ms:8.3f} ms {count:7.1f}x  {kernel[:60]:<60} <- {outer[:40]} > {inner[:40]}")
