@@ -1,39 +1,29 @@
 """Memory-bound kernels of the fused attention's entry on the seed's shape, under launch settings: the SiLU
-of V, Q and K (``_silu_rows``: the projection's last columns, rows 3 widths apart, into a contiguous tensor)
+of V, Q and K (``_silu_rows``: the projection's last columns, a view whose rows lie the projection's width apart, into a
+contiguous tensor)
 and U's gradient written into the projection gradient's first columns (``_copy_rows``), beside torch's SiLU
 and copy on contiguous tensors of the same size (what the memory delivers to a plain elementwise kernel).
 
     python benchmarks/rows_kernels.py [--kernel lightning_hstu/kernels/hstu_attention.py] [--rows 28541]
 
-Per kernel and setting: us per call (median of ``--reps``, CUDA events around each call) and the bytes read
-and written per second. Needs a GPU; the kernel module is loaded from its file (torch and triton only, as
-``kernel_ab.py`` does), so neither the package nor TorchRec is imported.
+Per kernel and setting: us per call (median of ``--reps``, CUDA events around each call: ``kernel_ab.time_ms``)
+and the bytes read and written per second. Needs a GPU; the kernel module is loaded from its file (torch and
+triton only, as ``kernel_ab.py`` does), so neither the package nor TorchRec is imported.
 """
 
 import argparse
 import itertools
-import statistics
 from pathlib import Path
 
 import torch
 import triton
-from kernel_ab import load
+from kernel_ab import load, time_ms
 
 U, V, Q, K = 1024, 1024, 512, 512  # the seed's widths: 4 heads of 256 (U, V) and of 128 (Q, K)
 
 
 def time_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return time_ms(fn, reps) * 1e3
 
 
 def row(name: str, us: float, bytes_moved: int) -> None:
