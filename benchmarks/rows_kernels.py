@@ -1,8 +1,8 @@
 """Memory-bound kernels of the fused attention's entry on the seed's shape, under launch settings: the SiLU
-of V, Q and K (``_silu_rows``: the projection's last columns, a view whose rows lie the projection's width apart, into a
-contiguous tensor)
-and U's gradient written into the projection gradient's first columns (``_copy_rows``), beside torch's SiLU
-and copy on contiguous tensors of the same size (what the memory delivers to a plain elementwise kernel).
+of V, Q and K (``_silu_rows``: the projection's last columns, a view whose rows lie the projection's width
+apart, into a contiguous tensor) and U's gradient written into the projection gradient's first columns
+(``_copy_rows``), beside torch's SiLU and copy on contiguous tensors of the same size (what the memory
+delivers to a plain elementwise kernel).
 
     python benchmarks/rows_kernels.py [--kernel lightning_hstu/kernels/hstu_attention.py] [--rows 28541]
 
