@@ -2244,8 +2244,8 @@ class _ProjectedAttention(torch.autograd.Function):
         pre = x.contiguous() if silu else None  # the strides of the gradient written beside it
         if silu and not silu_u:  # U stays x's: SiLU of V, Q and K only
             u = _split(pre, heads, attention_dim, hidden_dim)[0]
-            activated = _silu_rows(pre[:, u.shape[-2] * u.shape[-1] :])
-            v, q, k = _split_vqk(activated, heads, attention_dim, hidden_dim)
+            activated = _silu_rows(pre[:, heads * hidden_dim :])
+            v, q, k = _split(activated, heads, attention_dim, hidden_dim, with_u=False)
         else:
             activated = torch.nn.functional.silu(pre) if silu else x
             u, v, q, k = _split(activated, heads, attention_dim, hidden_dim)
@@ -2260,10 +2260,7 @@ class _ProjectedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, du, grad):
         activated, pre, offsets, timestamps, position, time = ctx.saved_tensors
-        if activated.shape[-1] == ctx.width:
-            _, v, q, k = _split(activated, *ctx.dims)
-        else:
-            v, q, k = _split_vqk(activated, *ctx.dims)
+        v, q, k = _split(activated, *ctx.dims, with_u=activated.shape[-1] == ctx.width)[-3:]
         d_x = torch.empty((activated.shape[0], ctx.width), dtype=activated.dtype, device=activated.device)
         d_u, dv, dq, dk = _split(d_x, *ctx.dims)
         pre_u, pre_v, pre_q, pre_k = (None,) * 4 if pre is None else _split(pre, *ctx.dims)
@@ -2324,18 +2321,11 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
-    """U, V, Q and K: views ``[N, heads, dim]`` of the projection's ``[N, heads * (2 hidden + 2 attention)]``."""
-    widths = [heads * hidden_dim, heads * hidden_dim, heads * attention_dim, heads * attention_dim]
-    dims = [hidden_dim, hidden_dim, attention_dim, attention_dim]
-    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split(widths, dim=-1), dims)]
-
-
-def _split_vqk(vqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int):
-    """V, Q and K: views ``[N, heads, dim]`` of ``[N, heads * (hidden + 2 attention)]`` (the projection less U)."""
-    widths = [heads * hidden_dim, heads * attention_dim, heads * attention_dim]
-    dims = [hidden_dim, attention_dim, attention_dim]
-    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(vqk.split(widths, dim=-1), dims)]
+def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, with_u: bool = True):
+    """U, V, Q and K: views ``[N, heads, dim]`` of the projection's ``[N, heads * (2 hidden + 2 attention)]``;
+    without ``with_u`` V, Q and K of ``[N, heads * (hidden + 2 attention)]`` (the projection less U)."""
+    dims = [hidden_dim] * with_u + [hidden_dim, attention_dim, attention_dim]
+    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split([heads * d for d in dims], dim=-1), dims)]
 
 
 def _grads(*tensors: torch.Tensor) -> bool:
