@@ -396,8 +396,8 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         ms, extra = timed(run, batches[warmup:], device)
         times.append(ms)
         records = extra if isinstance(extra, list) else records
-    kernel_ms, kernels = kernels_per_step(run, batches[warmup:], device)
     measured = batches[warmup:]
+    kernel_ms, kernels = kernels_per_step(run, measured, device)
     idle = idle_gaps(profile_trace(run, measured, device), len(measured)) if gaps and device.type == "cuda" else None
     return {
         "gaps": idle,

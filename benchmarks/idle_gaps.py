@@ -82,25 +82,14 @@ def _stacks(spans: list, instants: list) -> list:
     return out
 
 
-def _launch_place(launch, spans, ops):
-    """(thread, instant) at which to read the host ranges enclosing ``launch``: the launch's own, or where the
-    trace files runtime calls under a thread id of their own, the op that made the call (its "External id")."""
-    if launch is None:
-        return None
-    if launch["tid"] in spans:
-        return launch["tid"], launch["ts"]
-    op = ops.get(launch.get("args", {}).get("External id"))
-    return None if op is None or op["tid"] not in spans else (op["tid"], op["ts"])
-
-
-def _places(gpu: list, launches: dict, spans: dict, ops: dict) -> list:
+def _places(gpu: list, launches: dict, spans: dict) -> list:
     """Per GPU event (as ``gpu`` orders them): (task, outermost op, innermost op) open on the host where its
     launch was made, "?" where the trace does not say."""
     queries = defaultdict(list)
     for index, (_, _, correlation, _) in enumerate(gpu):
-        where = _launch_place(launches.get(correlation), spans, ops)
-        if where is not None:
-            queries[where[0]].append((where[1], index))
+        launch = launches.get(correlation)
+        if launch is not None and launch["tid"] in spans:
+            queries[launch["tid"]].append((launch["ts"], index))
     places = [("?", "?", "?")] * len(gpu)
     for tid, asked in queries.items():
         asked.sort()
@@ -123,7 +112,7 @@ def idle_gaps(events: list, steps: int) -> dict:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
     )
-    launches, waits, spans, ops = {}, [], defaultdict(list), {}
+    launches, waits, spans = {}, [], defaultdict(list)
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -135,11 +124,9 @@ def idle_gaps(events: list, steps: int) -> dict:
                 waits.append((e["ts"] + e.get("dur", 0), e["name"], e["tid"]))
         elif category in ("cpu_op", "user_annotation"):
             spans[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], category))
-            if "External id" in args:
-                ops[args["External id"]] = e
     if not gpu:
         return {"busy_ms": 0.0, "idle_ms": 0.0, "by_place": [], "by_cause": [], "launchers": []}
-    places = _places(gpu, launches, dict(spans), ops)
+    places = _places(gpu, launches, dict(spans))
     waits.sort()
     wait_ends = [w[0] for w in waits]
     by_place, by_cause, launchers = (defaultdict(lambda: [0.0, 0]) for _ in range(3))
