@@ -507,10 +507,13 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             print(f"captured: {engine.captured}") if dist.get_rank() == 0 else None
         finally:
             engine.close()
+    user_rows = set(args.user_rows)
     if "user" in rows and shuffler != "balanced_step_group":  # the model's shuffler has its own group
-        results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
-        best = best or fastest_preset(results)  # without Engine rows: the fastest through the Trainer
-        if device.type == "cuda" and best:
+        if "presets" in user_rows:
+            results += [user_path(preset, preset=preset, step_timeout=600) for preset in args.presets]
+        # without Engine rows: the fastest through the Trainer, or the first preset where none ran
+        best = best or fastest_preset(results) or args.presets[0]
+        if device.type == "cuda" and best and "graphs" in user_rows:
             results.append(user_path(f"{best} + graphs", preset=best, capture_graphs=True, step_timeout=600))
             results.append(
                 user_path(
@@ -521,7 +524,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                     step_timeout=600,
                 )
             )
-        if best:  # the loss checked after the step is queued, not before backward (on_nonfinite_loss="stop")
+        if best and "stop" in user_rows:  # the loss checked after the step is queued, not before backward
             results.append(user_path(f"{best}, stop", "stop", preset=best, step_timeout=600))
             if device.type == "cuda":
                 results.append(
@@ -619,6 +622,14 @@ def main():
         help="the Engine rows to run: the presets eagerly, and the fastest of them with graphs (graphs alone: the "
         "first of --presets). On an 80 GB card the seed workload's graphed row runs only in a process of its own, "
         "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--user-rows",
+        nargs="+",
+        default=["presets", "graphs", "stop"],
+        choices=["presets", "graphs", "stop"],
+        help="the user's path rows to run: each of --presets; the fastest with graphs (and with torch's AdamW "
+        "stepping eagerly); the fastest with on_nonfinite_loss='stop', eager and with graphs",
     )
     parser.add_argument(
         "--gaps",

@@ -33,6 +33,8 @@ WAITING_CALLS = (
     "cuCtxSynchronize",
 )
 TASK_RANGE = "task "
+WINDOW_RANGE = "measured window"
+"""The ``record_function`` range ``profile_trace`` opens around the profiled run and its closing synchronize."""
 MIN_GAP_US = 2.0
 """Shorter idle intervals are the launch pipeline's own spacing between back-to-back kernels."""
 
@@ -56,8 +58,9 @@ def profile_trace(run, batches, device) -> list:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
-        run(batches)
-        torch.cuda.synchronize(device)
+        with torch.profiler.record_function(WINDOW_RANGE):
+            run(batches)
+            torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
@@ -106,7 +109,11 @@ def _places(gpu: list, launches: dict, spans: dict) -> list:
 
 def idle_gaps(events: list, steps: int) -> dict:
     """Per step: GPU busy and idle ms, the idle ms by (task, outermost op, kernel) and by cause, and each
-    kernel's ms and launches by the host ops that launched it (kernel, outermost op, innermost op)."""
+    kernel's ms and launches by the host ops that launched it (kernel, outermost op, innermost op). Per
+    window (where the trace holds ``WINDOW_RANGE``): ``lead_ms`` from the window's start to its first GPU
+    event (the host's work before the GPU gets any, e.g. an engine filling its lookahead), with the place
+    that launched that event (``lead_place``), and ``tail_ms`` from the last GPU event's end to the window's
+    end; None without the range."""
     gpu = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"), e.get("name", ""))
         for e in events
@@ -127,6 +134,12 @@ def idle_gaps(events: list, steps: int) -> dict:
     if not gpu:
         return {"busy_ms": 0.0, "idle_ms": 0.0, "by_place": [], "by_cause": [], "launchers": []}
     places = _places(gpu, launches, dict(spans))
+    windows = [s for thread in spans.values() for s in thread if s[2] == WINDOW_RANGE]
+    lead = tail = None
+    if windows:
+        window_start, window_end = windows[0][0], windows[0][1]
+        lead = (gpu[0][0] - window_start) / 1e3
+        tail = (window_end - max(end for _, end, _, _ in gpu)) / 1e3
     waits.sort()
     wait_ends = [w[0] for w in waits]
     by_place, by_cause, launchers = (defaultdict(lambda: [0.0, 0]) for _ in range(3))
@@ -163,6 +176,9 @@ def idle_gaps(events: list, steps: int) -> dict:
         return sorted(rows, key=lambda r: -r[1])
 
     return {
+        "lead_ms": lead,
+        "lead_place": places[0],
+        "tail_ms": tail,
         "busy_ms": busy / 1e3 / steps,
         "idle_ms": idle / 1e3 / steps,
         "by_place": per_step(by_place),
@@ -178,6 +194,12 @@ def report_gaps(say, mode: str, gaps: dict, top: int) -> None:
     )
     for cause, ms, count in gaps["by_cause"]:
         say(f"  {ms:8.3f} ms {count:7.1f}x  {cause}")
+    if gaps.get("lead_ms") is not None:
+        task, op, _ = gaps["lead_place"]
+        say(
+            f"  per window: {gaps['lead_ms']:.2f} ms before its first GPU event (launched in task {task}, op "
+            f"{op[:40]}), {gaps['tail_ms']:.2f} ms after its last"
+        )
     say(f"  the {top} largest by task, outermost op at the launch, and the kernel that ended the gap:")
     for (task, op, kernel), ms, count in gaps["by_place"][:top]:
         say(f"  {ms:8.3f} ms {count:7.1f}x  {task:<16} {op[:40]:<40} {kernel[:70]}")
