@@ -391,15 +391,18 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     run(batches[:warmup])
     for _ in range(warm_passes):
         run(batches[warmup:])
-    times, records = [], None
+    times, records, before = [], None, _allocator_calls(device)
     for _ in range(repeats):
         ms, extra = timed(run, batches[warmup:], device)
         times.append(ms)
         records = extra if isinstance(extra, list) else records
     measured = batches[warmup:]
+    after = _allocator_calls(device)
+    allocator = {key: (after[key] - before[key]) / (repeats * len(measured)) for key in after}
     kernel_ms, kernels = kernels_per_step(run, measured, device)
     idle = idle_gaps(profile_trace(run, measured, device), len(measured)) if gaps and device.type == "cuda" else None
     return {
+        "allocator": allocator,
         "gaps": idle,
         "mode": name,
         "ms": statistics.median(times),
@@ -412,6 +415,16 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         "peak_gib": _peak_gib(device),
         "plan": plan,
     }
+
+
+ALLOCATOR_CALLS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree", "num_alloc_retries": "retries"}
+"""The caching allocator's counters read around the timed steps: its calls into CUDA (a cudaFree waits for the
+device) and its retries (every cached block freed, then cudaMalloc again)."""
+
+
+def _allocator_calls(device) -> dict:
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    return {key: stats.get(key, 0) for key in ALLOCATOR_CALLS}
 
 
 def _reset_peak(device):
@@ -584,6 +597,10 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
             say(f"GPU kernels of '{mode}' minus '{eager['mode']}', ms and launches per step, largest first:")
             for name, ms, launches in kernel_differences(eager["kernels"], graphed["kernels"])[:kernels]:
                 say(f"  {ms:+8.3f} ms {launches:+7.1f}x  {name[:110]}")
+    for r in results:
+        if any(r.get("allocator", {}).values()):
+            calls = ", ".join(f"{n:.2f} {ALLOCATOR_CALLS[key]}" for key, n in r["allocator"].items())
+            say(f"the caching allocator during the timed steps of '{r['mode']}', per step: {calls}")
     for r in results if gaps else ():
         if r.get("gaps"):
             report_gaps(say, r["mode"], r["gaps"], gaps)

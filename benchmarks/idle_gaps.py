@@ -29,6 +29,7 @@ WAITING_CALLS = (
     "cudaDeviceSynchronize",
     "cudaEventSynchronize",
     "cudaMemcpy",
+    "cudaFree",  # the caching allocator returning memory (waits for the device)
     "cuStreamSynchronize",
     "cuCtxSynchronize",
 )
