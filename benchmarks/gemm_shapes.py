@@ -1,0 +1,68 @@
+"""The seed layer's matrix products alone, as the compiled layers call them (cuBLAS through aten), against the
+rate cuBLAS reaches on a large square product: how far the step's linear maps are from what the GPU gives.
+
+    python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 3072] [--reps 30]
+
+Per product of a layer (f1: the projection, width -> projection with its bias; f2: the output map, width ->
+width with its bias; each forward, input gradient and weight gradient): us per call (median of ``--reps``,
+CUDA events around each call: ``kernel_ab.time_ms``), TFLOP/s, and the same product with the token count
+rounded up to a multiple of 256 (what cuBLAS picks for a round row count); then the ten layers' sum per step.
+Needs a GPU; torch only (neither the package nor TorchRec is imported).
+"""
+
+import argparse
+
+import torch
+from kernel_ab import time_ms
+
+LAYERS = 10  # the seed's stack
+
+
+def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, float, float]]:
+    """(name, us per call, TFLOP/s) of a linear map's forward, input gradient and weight gradient."""
+    dtype, device = torch.bfloat16, "cuda"
+    x = torch.randn(tokens, width, dtype=dtype, device=device)
+    weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
+    bias = torch.randn(out, dtype=dtype, device=device)
+    dy = torch.randn(tokens, out, dtype=dtype, device=device)
+    flop = 2 * tokens * width * out
+    calls = {
+        "forward (addmm with bias)": lambda: torch.addmm(bias, x, weight.t()),
+        "input gradient (dy @ W)": lambda: dy @ weight,
+        "weight gradient (dy^T @ x)": lambda: dy.t() @ x,
+    }
+    rows = []
+    for name, call in calls.items():
+        us = time_ms(call, reps) * 1e3
+        rows.append((name, us, flop / us / 1e6))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--projection", type=int, default=3072, help="f1's output: U, V, Q and K side by side")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemm_shapes.py needs a GPU")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    us = time_ms(lambda: a @ a, args.reps) * 1e3
+    print(f"{'square 8192 x 8192 x 8192':<60} {us:9.1f} us {2 * 8192**3 / us / 1e6:7.1f} TFLOP/s")
+    rounded = -(-args.tokens // 256) * 256
+    total = {args.tokens: 0.0, rounded: 0.0}
+    for tokens in (args.tokens, rounded):
+        for map_name, out in (("f1", args.projection), ("f2", args.width)):
+            for name, us, rate in products(tokens, args.width, out, args.reps):
+                total[tokens] += us * LAYERS
+                print(f"{map_name} {tokens} x {args.width} -> {out}: {name:<36} {us:9.1f} us {rate:7.1f} TFLOP/s")
+    for tokens, us in total.items():
+        flop = LAYERS * 3 * 2 * tokens * args.width * (args.projection + args.width)
+        rate = flop / us / 1e6
+        print(f"{LAYERS} layers at {tokens} tokens: {us / 1e3:.2f} ms of products per step, {rate:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
