@@ -9,7 +9,9 @@ the host: the engine task open on the launching thread (a ``record_function`` ra
 an autograd node, a compiled region) and the kernel's name. A gap during which a host call that waits for the
 device (a synchronize or a blocking copy) returned is charged to that call instead: the host drained the
 queue, and the kernels after it start from an empty one. Recording CPU ops costs the host about a microsecond
-per op, so the gaps read here are an upper bound of the unprofiled step's.
+per op, so the gaps read here are an upper bound of the unprofiled step's. The same trace (recorded with the
+ops' input sizes and strides) gives each matrix product's kernel time and rate by kernel, sizes and strides:
+which of the step's products run below what cuBLAS gives the same sizes alone (``gemm_shapes.py``).
 
 Used by ``hstu_pipelines.py --gaps N``.
 """
@@ -38,6 +40,10 @@ WINDOW_RANGE = "measured window"
 """The ``record_function`` range ``profile_trace`` opens around the profiled run and its closing synchronize."""
 MIN_GAP_US = 2.0
 """Shorter idle intervals are the launch pipeline's own spacing between back-to-back kernels."""
+GEMM_OPS = ("aten::mm", "aten::addmm")
+TOKEN_DIM = 4096
+"""In the matrix products' table, sizes above this are the token count (it changes from batch to batch) and
+read "T", so that one layer's product at every batch is one row."""
 
 
 def ranged_bodies(bodies: dict) -> dict:
@@ -58,7 +64,7 @@ def profile_trace(run, batches, device) -> list:
     of every thread, the engine's included: by default only the threads that entered the profiler)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
+    with torch.profiler.profile(activities=activities, experimental_config=every_thread, record_shapes=True) as prof:
         with torch.profiler.record_function(WINDOW_RANGE):
             run(batches)
             torch.cuda.synchronize(device)
@@ -87,30 +93,32 @@ def _stacks(spans: list, instants: list) -> list:
 
 
 def _places(gpu: list, launches: dict, spans: dict) -> list:
-    """Per GPU event (as ``gpu`` orders them): (task, outermost op, innermost op) open on the host where its
-    launch was made, "?" where the trace does not say."""
+    """Per GPU event (as ``gpu`` orders them): (task, outermost op, innermost op, the innermost op's trace
+    arguments) open on the host where its launch was made, "?" where the trace does not say."""
     queries = defaultdict(list)
     for index, (_, _, correlation, _) in enumerate(gpu):
         launch = launches.get(correlation)
         if launch is not None and launch["tid"] in spans:
             queries[launch["tid"]].append((launch["ts"], index))
-    places = [("?", "?", "?")] * len(gpu)
+    places = [("?", "?", "?", {})] * len(gpu)
     for tid, asked in queries.items():
         asked.sort()
         for (_, index), stack in zip(asked, _stacks(spans[tid], [instant for instant, _ in asked])):
             tasks = [s[2] for s in stack if s[3] == "user_annotation" and s[2].startswith(TASK_RANGE)]
-            cpu_ops = [s[2] for s in stack if s[3] == "cpu_op"]
+            cpu_ops = [s for s in stack if s[3] == "cpu_op"]
             places[index] = (
                 tasks[-1][len(TASK_RANGE) :] if tasks else "-",
-                cpu_ops[0] if cpu_ops else "-",
-                cpu_ops[-1] if cpu_ops else "-",
+                cpu_ops[0][2] if cpu_ops else "-",
+                cpu_ops[-1][2] if cpu_ops else "-",
+                cpu_ops[-1][4] if cpu_ops else {},
             )
     return places
 
 
 def idle_gaps(events: list, steps: int) -> dict:
     """Per step: GPU busy and idle ms, the idle ms by (task, outermost op, kernel) and by cause, and each
-    kernel's ms and launches by the host ops that launched it (kernel, outermost op, innermost op). Per
+    kernel's ms and launches by the host ops that launched it (kernel, outermost op, innermost op); the matrix
+    products' ms, launches and TFLOP/s by (kernel, op, sizes, strides) (``gemms``). Per
     window (where the trace holds ``WINDOW_RANGE``): ``lead_ms`` from the window's start to its first GPU
     event (the host's work before the GPU gets any, e.g. an engine filling its lookahead), with the place
     that launched that event (``lead_place``), and ``tail_ms`` from the last GPU event's end to the window's
@@ -131,7 +139,7 @@ def idle_gaps(events: list, steps: int) -> dict:
             if e.get("name") in WAITING_CALLS:
                 waits.append((e["ts"] + e.get("dur", 0), e["name"], e["tid"]))
         elif category in ("cpu_op", "user_annotation"):
-            spans[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], category))
+            spans[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], category, args))
     if not gpu:
         return {"busy_ms": 0.0, "idle_ms": 0.0, "by_place": [], "by_cause": [], "launchers": []}
     places = _places(gpu, launches, dict(spans))
@@ -144,12 +152,18 @@ def idle_gaps(events: list, steps: int) -> dict:
     waits.sort()
     wait_ends = [w[0] for w in waits]
     by_place, by_cause, launchers = (defaultdict(lambda: [0.0, 0]) for _ in range(3))
-    for (start, end, _, kernel), (_, outer, inner) in zip(gpu, places):
+    gemms = defaultdict(lambda: [0.0, 0, 0.0])  # us, launches, FLOP
+    for (start, end, _, kernel), (_, outer, inner, args) in zip(gpu, places):
         launchers[(kernel, outer, inner)][0] += end - start
         launchers[(kernel, outer, inner)][1] += 1
+        if inner in GEMM_OPS and args.get("Input Dims"):
+            key, flop = _gemm(kernel, inner, args)
+            gemms[key][0] += end - start
+            gemms[key][1] += 1
+            gemms[key][2] += flop
     busy = idle = 0.0
     run_start, run_end = gpu[0][0], gpu[0][1]
-    for (start, end, correlation, kernel), (task, outer, _) in zip(gpu[1:], places[1:]):
+    for (start, end, correlation, kernel), (task, outer, _, _) in zip(gpu[1:], places[1:]):
         gap = start - run_end
         if gap <= MIN_GAP_US:
             run_end = max(run_end, end)
@@ -185,7 +199,25 @@ def idle_gaps(events: list, steps: int) -> dict:
         "by_place": per_step(by_place),
         "by_cause": per_step(by_cause),
         "launchers": per_step(launchers),
+        "gemms": sorted(
+            ((key, us / 1e3 / steps, count / steps, flop / us / 1e6) for key, (us, count, flop) in gemms.items()),
+            key=lambda r: -r[1],
+        ),
     }
+
+
+def _gemm(kernel: str, op: str, args: dict) -> tuple[tuple, float]:
+    """A matrix product's row key (kernel, op, input sizes with the token count as "T", input strides) and
+    its FLOP, from its op's recorded sizes (``aten::addmm``'s first input is the bias)."""
+    dims = args["Input Dims"]
+    a, b = (dims[1], dims[2]) if op == "aten::addmm" else (dims[0], dims[1])
+    flop = 2.0 * a[0] * a[1] * b[1] if len(a) == 2 and len(b) == 2 else 0.0
+
+    def text(sizes):
+        return "x".join("T" if n > TOKEN_DIM else str(n) for n in sizes)
+
+    strides = args.get("Input Strides") or []
+    return (kernel, op, " ".join(text(d) for d in dims if d), " ".join(str(tuple(x)) for x in strides if x)), flop
 
 
 def report_gaps(say, mode: str, gaps: dict, top: int) -> None:
@@ -196,7 +228,7 @@ def report_gaps(say, mode: str, gaps: dict, top: int) -> None:
     for cause, ms, count in gaps["by_cause"]:
         say(f"  {ms:8.3f} ms {count:7.1f}x  {cause}")
     if gaps.get("lead_ms") is not None:
-        task, op, _ = gaps["lead_place"]
+        task, op, _, _ = gaps["lead_place"]
         say(
             f"  per window: {gaps['lead_ms']:.2f} ms before its first GPU event (launched in task {task}, op "
             f"{op[:40]}), {gaps['tail_ms']:.2f} ms after its last"
@@ -207,3 +239,7 @@ def report_gaps(say, mode: str, gaps: dict, top: int) -> None:
     say(f"GPU kernels of '{mode}' by the host ops that launched them (outermost > innermost), the {top} largest:")
     for (kernel, outer, inner), ms, count in gaps["launchers"][:top]:
         say(f"  {ms:8.3f} ms {count:7.1f}x  {kernel[:60]:<60} <- {outer[:40]} > {inner[:40]}")
+    if gaps.get("gemms"):
+        say(f"the matrix products of '{mode}' by kernel and input sizes (T: the token count) and strides, per step:")
+        for (kernel, op, sizes, strides), ms, count, rate in gaps["gemms"][:top]:
+            say(f"  {ms:8.3f} ms {count:6.1f}x {rate:6.0f} TFLOP/s  {kernel[:52]:<52} {op} [{sizes}] strides {strides}")
