@@ -1,7 +1,7 @@
 """The seed layer's matrix products alone, as the compiled layers call them (cuBLAS through aten), against the
 rate cuBLAS reaches on a large square product: how far the step's linear maps are from what the GPU gives.
 
-    python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 3072] [--reps 30]
+    python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 4096] [--reps 30]
 
 Per product of a layer (f1: the projection, width -> projection with its bias; f2: the output map, width ->
 width with its bias; each forward, input gradient and weight gradient): us per call (median of ``--reps``,
@@ -42,7 +42,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--projection", type=int, default=3072, help="f1's output: U, V, Q and K side by side")
+    parser.add_argument(
+        "--projection", type=int, default=4096, help="f1's output: U, V, Q and K side by side (4 heads of 256 each)"
+    )
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     if not torch.cuda.is_available():
