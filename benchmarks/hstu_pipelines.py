@@ -654,7 +654,9 @@ def main():
         default=0,
         metavar="N",
         help="for the Engine rows, the GPU's idle time between kernels per step, by cause, and its N largest "
-        "places (task, op at the launch, kernel after the gap), from a profile with CPU ops (idle_gaps.py)",
+        "places (task, op at the launch, kernel after the gap), each window's lead before its first GPU event, and "
+        "the N largest kernels by launching ops and matrix products by sizes and strides, from a profile with CPU "
+        "ops and shapes (idle_gaps.py)",
     )
     parser.add_argument(
         "--kernels",
