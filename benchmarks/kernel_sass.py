@@ -57,6 +57,7 @@ KERNELS = {
     "dq": "_hstu_bwd_dq",
     "dk": "_hstu_bwd_dk_stored",
     "time": "_hstu_bwd_time_stored",
+    "bands": "_hstu_bwd_position_bands",
 }
 STORED_DQ = "_hstu_bwd_dq_stored"  # the dq kernel where the configs store the score gradients (``store_ds``)
 DESCRIPTORS = {
@@ -65,6 +66,7 @@ DESCRIPTORS = {
     "dq": {"K": "BLOCK_N", "V": "BLOCK_N"},
     "dk": {"Q": "BLOCK_M"},
     "time": {},
+    "bands": {},
 }
 
 
@@ -126,7 +128,9 @@ def compile_kernel(module, kind: str, config: dict, configs: dict, dim: int = 12
         STORE_S=bool(configs.get("store_s")),  # the forward stores the scores, the dk/dv kernel reads them
         SCORES_STORED=bool(configs.get("store_s")),
         DK=kind == "dk" or not configs.get("dk"),  # the dk/dv kernel accumulates dk unless a dk kernel does
-        TIME=configs.get("time") == "dk" if kind == "dk" else configs.get("time") is None,  # where the time sums are
+        TIME={"dk": configs.get("time") == "dk", "bands": configs.get("time") == "bands"}.get(
+            kind, configs.get("time") is None
+        ),  # where the time sums are
         POSITIONS=not configs.get("bands"),  # the stored dq kernel's position sums, unless by bands
         **({} if store else {"DS": None, "ds_rows": None, "ds_side": None}),  # not stored: None for them
         **({} if configs.get("store_s") else {"S": None, "s_side": None, "s_head_rows": None}),
