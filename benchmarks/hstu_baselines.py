@@ -41,11 +41,17 @@ def engine_bodies(
     *,
     autocast: str | None = None,
     graphed: GraphedMethod | None = None,
+    check_finite: bool = False,
 ):
     """Bodies for every task: the model's ``hstu_<task>`` methods, and the ones below for what Lightning does
     under the strategy. ``model`` has the HSTURecommender hooks and parts (embeddings, objectives,
     dense_grads, shuffler). ``losses`` receives each batch's loss tensor (no host sync). With ``graphed``
-    the forward goes through it (give the engine ``graphs={"forward": graphed}`` to capture it)."""
+    the forward goes through it (give the engine ``graphs={"forward": graphed}`` to capture it). With
+    ``check_finite`` the loss is checked as ``HSTURecommender(on_nonfinite_loss="stop")`` checks it on one
+    rank: the forward keeps its finite flag on the device, and the watchdog reads it once the step's
+    backward and optimizer step are queued (``FloatingPointError`` if it is not finite)."""
+
+    finite_flags: dict[int, torch.Tensor] = {}  # check_finite: each batch's flag until the watchdog reads it
 
     def h2d(b):
         b["device_batch"] = b["batch"].to(_device(model), non_blocking=True)
@@ -56,9 +62,12 @@ def engine_bodies(
 
     def forward(b):
         with _autocast(autocast):  # thread-local: entered on the thread that runs forward
-            b["loss"] = global_token_loss(
+            loss = global_token_loss(
                 model.objectives, b["shuffled_batch"], b["embeddings"], b["global_tokens"], graphed
             )
+        b["loss"] = loss
+        if check_finite:  # kept off the slots, as the model keeps it (the forward writes the loss only)
+            finite_flags[b.index] = torch.isfinite(loss.detach())
 
     def backward(b):
         b["loss"].backward()
@@ -70,6 +79,8 @@ def engine_bodies(
 
     def watchdog(b):
         losses.append(b["loss"].detach())
+        if check_finite and not bool(finite_flags.pop(b.index)):
+            raise FloatingPointError(f"non-finite loss at batch {b.index} (the step was applied)")
 
     own = {
         "h2d": h2d,

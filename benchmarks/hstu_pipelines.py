@@ -171,8 +171,9 @@ def run_pipeline(model, optimizer, autocast, device):
     return run
 
 
-def run_engine(model, optimizer, autocast, device, preset, capture=False, ranges=False):
-    """``ranges``: each task body inside a ``record_function`` range (for ``--gaps``)."""
+def run_engine(model, optimizer, autocast, device, preset, capture=False, ranges=False, check_finite=False):
+    """``ranges``: each task body inside a ``record_function`` range (for ``--gaps``); ``check_finite``: the
+    loss checked as the user's path with ``on_nonfinite_loss="stop"`` checks it (``engine_bodies``)."""
     losses = []
     accumulators = model.dense_grads.accumulators()  # as HSTURecommender.hstu_graphs
     graphed = (  # as many capacities as the user's path captures
@@ -181,7 +182,7 @@ def run_engine(model, optimizer, autocast, device, preset, capture=False, ranges
         else None
     )
     plan = get_plan(preset, capturable=GRAPH_TASKS if capture else ())
-    bodies = engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed)
+    bodies = engine_bodies(model, optimizer, losses, autocast=autocast, graphed=graphed, check_finite=check_finite)
     engine = Engine(
         plan,
         ranged_bodies(bodies) if ranges else bodies,

@@ -7,8 +7,9 @@ on one GPU for long enough to attach a sampling profiler to it, and says when th
 The batches, model sizes and Trainer settings are those of ``hstu_pipelines.py``'s user's-path rows;
 ``--plain`` runs its plain loop instead (no Trainer), so that each mode can be timed alone in a process;
 ``--engine`` drives ``Engine`` directly with ``--preset`` (and ``--graphs``), as ``hstu_pipelines.py``'s Engine
-rows do (torch's AdamW stepping eagerly, no check of the loss: ``--on-nonfinite-loss`` does not apply), so
-that the user's path minus it, the strategy's own cost, is timed process against process;
+rows do (torch's AdamW stepping eagerly; with ``--on-nonfinite-loss stop`` the loss's finite flag read by the
+watchdog task as the user's path reads it, else no check of the loss), so that the user's path minus it, the
+strategy's own cost, is timed process against process;
 ``--eager-optimizer`` runs the user's path with torch's AdamW stepping eagerly too (``hstu_pipelines.py``'s
 ``EagerOptimizerStep``), the optimizer the Engine rows use.
 Without a GPU it runs on the CPU (gloo); ``--small`` takes ``hstu_pipelines.py --small``'s sizes;
@@ -98,7 +99,12 @@ def main():
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--lightning", action="store_true", help="Lightning's own loop (engine=False)")
     parser.add_argument("--plain", action="store_true", help="the benchmark's plain PyTorch loop, no Trainer")
-    parser.add_argument("--engine", action="store_true", help="Engine driven directly with --preset, no Trainer")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="Engine driven directly with --preset, no Trainer (with --on-nonfinite-loss stop its watchdog task reads "
+        "the loss's finite flag as the user's path's does)",
+    )
     parser.add_argument("--eager-optimizer", action="store_true", help="the user's path with torch's AdamW, eager")
     parser.add_argument("--on-nonfinite-loss", default="raise", help="HSTURecommender's on_nonfinite_loss")
     parser.add_argument("--warmup", type=int, default=30)
@@ -162,7 +168,8 @@ def main():
         return
     if args.engine:
         marks = _Marks(args.warmup, args.every, args.ready, diagnostics)
-        _engine_loop(sizes, device, num_items, args.preset, args.graphs, cycled(batches, total), marks)
+        check = args.on_nonfinite_loss == "stop"  # as the user's path checks the loss
+        _engine_loop(sizes, device, num_items, args.preset, args.graphs, cycled(batches, total), marks, check)
         _report(diagnostics)
         dist.destroy_process_group()
         return
@@ -366,13 +373,15 @@ def _plain_loop(sizes, device, num_items, batches, marks):
     run_plain(model, optimizer, "cuda" if device.type == "cuda" else None)(_marked(batches, marks))
 
 
-def _engine_loop(sizes, device, num_items, preset, graphs, batches, marks):
+def _engine_loop(sizes, device, num_items, preset, graphs, batches, marks, check_finite=False):
     """``hstu_pipelines.py``'s Engine rows (``run_engine``: same model, AdamW and autocast; the step timeout
-    600 s, as the user's path's default) over ``batches``, timed by ``marks`` as the Trainer's steps are."""
+    600 s, as the user's path's default) over ``batches``, timed by ``marks`` as the Trainer's steps are;
+    ``check_finite``: the loss's finite flag read by the watchdog task, as ``on_nonfinite_loss="stop"``."""
     model = build_model(sizes, device, num_items)
     optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
     autocast = "cuda" if device.type == "cuda" else None
-    run, engine = run_engine(model, optimizer, autocast, device, preset, capture=graphs and device.type == "cuda")
+    capture = graphs and device.type == "cuda"
+    run, engine = run_engine(model, optimizer, autocast, device, preset, capture=capture, check_finite=check_finite)
     try:
         run(_marked(batches, marks))
     finally:
