@@ -200,7 +200,10 @@ def idle_gaps(events: list, steps: int) -> dict:
         "by_cause": per_step(by_cause),
         "launchers": per_step(launchers),
         "gemms": sorted(
-            ((key, us / 1e3 / steps, count / steps, flop / us / 1e6) for key, (us, count, flop) in gemms.items()),
+            (
+                (key, us / 1e3 / steps, count / steps, flop / us / 1e6 if us else 0.0)
+                for key, (us, count, flop) in gemms.items()
+            ),
             key=lambda r: -r[1],
         ),
     }

@@ -103,7 +103,7 @@ def main():
         "--engine",
         action="store_true",
         help="Engine driven directly with --preset, no Trainer (with --on-nonfinite-loss stop its watchdog task reads "
-        "the loss's finite flag as the user's path's does)",
+        "the loss's finite flag as the user's path does)",
     )
     parser.add_argument("--eager-optimizer", action="store_true", help="the user's path with torch's AdamW, eager")
     parser.add_argument("--on-nonfinite-loss", default="raise", help="HSTURecommender's on_nonfinite_loss")
