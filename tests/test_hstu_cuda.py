@@ -198,8 +198,7 @@ def coarser_capacities(objectives):
         rows, tensors = growth(inputs)
         if rows is None:
             return rows, tensors
-        step = 1 << max(0, rows.bit_length() - 3)
-        return min(-(-rows // step) * step, objectives.max_events * len(inputs.lengths)), tensors
+        return token_capacity(rows, objectives.max_events * len(inputs.lengths), per_power_of_two=4), tensors
 
     return grown
 

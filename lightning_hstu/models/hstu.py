@@ -604,11 +604,12 @@ cover batches whose event counts span three octaves. With 6, a seventh capacity 
 batches (H200, 2026-12-01) ran eagerly at every one of its batches, at about twice a replayed step's time."""
 
 
-def token_capacity(events: int, most: int) -> int:
-    """``events`` rounded up to one of thirty-two steps per power of two (at most 3.125% more), capped at
-    ``most``: the few static token counts the jagged dense part is captured for. The rows past the events
-    cost the attention nothing, but the linear maps, norms and losses compute them all."""
-    step = 1 << max(0, events.bit_length() - 6)
+def token_capacity(events: int, most: int, per_power_of_two: int = 32) -> int:
+    """``events`` rounded up to one of ``per_power_of_two`` steps per power of two (a power of two itself;
+    thirty-two: at most 3.125% more), capped at ``most``: the few static token counts the jagged dense part is
+    captured for. The rows past the events cost the attention nothing, but the linear maps, norms and losses
+    compute them all."""
+    step = 1 << max(0, events.bit_length() - per_power_of_two.bit_length())
     return min(-(-events // step) * step, most)
 
 
