@@ -14,8 +14,10 @@ import argparse
 
 import torch
 from kernel_ab import time_ms
+from workloads import WORKLOADS
 
-LAYERS = 10  # the seed's stack
+SEED = WORKLOADS["seed"]
+LAYERS = SEED["num_layers"]
 
 
 def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, float, float]]:
@@ -41,9 +43,12 @@ def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, fl
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=SEED["embedding_dim"])
     parser.add_argument(
-        "--projection", type=int, default=4096, help="f1's output: U, V, Q and K side by side (4 heads of 256 each)"
+        "--projection",
+        type=int,
+        default=SEED["num_heads"] * 2 * (SEED["hidden_dim"] + SEED["attention_dim"]),
+        help="f1's output: U, V, Q and K side by side",
     )
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()

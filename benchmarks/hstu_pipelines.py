@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from workloads import WORKLOADS
 
 from hstu_baselines import FinalizingOptimizer, PipelineBatch, PipelineModel, engine_bodies, plain_step
 from idle_gaps import idle_gaps, profile_trace, ranged_bodies, report_gaps
@@ -60,12 +61,6 @@ from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.tasks import GRAPH_TASKS
 from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_adamw, embedding_tables
 
-WORKLOADS = {
-    "light": dict(max_len=256, embedding_dim=128, num_layers=2, num_heads=2, attention_dim=32, hidden_dim=32),
-    "heavy": dict(max_len=1024, embedding_dim=512, num_layers=8, num_heads=4, attention_dim=128, hidden_dim=128),
-    "seed": dict(max_len=4096, embedding_dim=1024, num_layers=10, num_heads=4, attention_dim=256, hidden_dim=256),
-    "seed_w128": dict(max_len=4096, embedding_dim=128, num_layers=10, num_heads=4, attention_dim=128, hidden_dim=128),
-}
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
 """H200 dense bf16: the datasheet's peak, and what a large bf16 matrix product reaches on that machine."""
 SMALL = dict(max_len=32, embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8)

@@ -21,6 +21,7 @@ import types
 
 import torch
 from kernel_ab import lengths_for, make_inputs, time_ms
+from workloads import WORKLOADS as SHAPES
 
 if "lightning_hstu" not in sys.modules:  # the layers alone: the package's __init__ imports Lightning and TorchRec
     package = types.ModuleType("lightning_hstu")
@@ -28,11 +29,7 @@ if "lightning_hstu" not in sys.modules:  # the layers alone: the package's __ini
     sys.modules["lightning_hstu"] = package
 layers = importlib.import_module("lightning_hstu.models.hstu_layers")
 
-WORKLOADS = {  # hstu_pipelines.py's, without the tables
-    "heavy": dict(max_len=1024, embedding_dim=512, num_layers=8, num_heads=4, attention_dim=128, hidden_dim=128),
-    "seed": dict(max_len=4096, embedding_dim=1024, num_layers=10, num_heads=4, attention_dim=256, hidden_dim=256),
-    "seed_w128": dict(max_len=4096, embedding_dim=128, num_layers=10, num_heads=4, attention_dim=128, hidden_dim=128),
-}
+WORKLOADS = {name: SHAPES[name] for name in ("heavy", "seed", "seed_w128")}  # hstu_pipelines.py's, the dense stack
 
 
 def stack_flops(lengths: list[int], sizes: dict) -> int:

@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 import triton
 from kernel_ab import load, time_ms
+from workloads import WORKLOADS
 
-U, V, Q, K = 1024, 1024, 1024, 1024  # the seed's widths: 4 heads of 256 each (hstu_pipelines.py, WORKLOADS["seed"])
+SEED = WORKLOADS["seed"]
+U = V = SEED["num_heads"] * SEED["hidden_dim"]  # the seed's widths
+Q = K = SEED["num_heads"] * SEED["attention_dim"]
 
 
 def time_us(fn, reps: int) -> float:
