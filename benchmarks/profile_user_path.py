@@ -21,7 +21,9 @@ Two diagnostics of the steady state, from the end of the warmup on:
   counted per thread and call site and printed per step at the end (CUDA only);
 - ``--trace FILE``: torch.profiler over ``--trace-steps`` steps (CPU ops of every thread, CUDA kernels), a
   Chrome trace written to FILE and, printed, each thread's busiest ops and its CUDA runtime calls that wait
-  (synchronize, blocking copies) with their total time;
+  (synchronize, blocking copies) with their total time; FILE.counts.json holds every thread's ops and
+  CUDA runtime calls per step (count, self CPU us), to compare two modes; ``--trace-stacks`` records the
+  Python frames too (``with_stack``: each op's callers, at a cost of its own);
 - ``--thread-cpu``: each thread's CPU time per step over the measured steps (Linux: ``/proc/self/task``;
   the engine's threads by their Python names, autograd's device thread as ``pt_autograd_0``), and the wall
   time of ``torch.autograd.backward`` per call (the caller of backward waits for autograd's thread there).
@@ -38,6 +40,7 @@ of the epoch's first batch)."""
 
 import argparse
 import collections
+import json
 import os
 import sys
 import threading
@@ -119,6 +122,7 @@ def main():
     parser.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU per call site")
     parser.add_argument("--trace", help="write a torch.profiler Chrome trace of --trace-steps steps to this file")
     parser.add_argument("--trace-steps", type=int, default=20)
+    parser.add_argument("--trace-stacks", action="store_true", help="the trace records Python frames (with_stack)")
     parser.add_argument("--thread-cpu", action="store_true", help="each thread's CPU time per step (Linux)")
     parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run, in seconds")
     parser.add_argument("--pin-python-threads", type=int, metavar="CORE", help="the Python threads on this core")
@@ -146,7 +150,7 @@ def main():
         parser.error(f"--trace-steps must be in 1..--steps ({args.steps})")
     diagnostics = (
         ([_SyncSites()] if args.sync_debug else [])
-        + ([_Trace(args.trace, args.trace_steps)] if args.trace else [])
+        + ([_Trace(args.trace, args.trace_steps, args.trace_stacks)] if args.trace else [])
         + ([_ThreadCPU(args.steps - 1)] if args.thread_cpu else [])
         + ([_PinPython(args.pin_python_threads)] if args.pin_python_threads is not None else [])
     )
@@ -262,8 +266,8 @@ class _Trace:
 
     WAITS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy2D ", "cudaStreamWaitEvent")
 
-    def __init__(self, path: str, steps: int):
-        self.path, self.steps, self.profiler = path, steps, None
+    def __init__(self, path: str, steps: int, stacks: bool = False):
+        self.path, self.steps, self.stacks, self.profiler = path, steps, stacks, None
 
     def at_step(self, done: int) -> None:
         if done == 0:
@@ -273,7 +277,9 @@ class _Trace:
             # every thread (the engine's and autograd's, not only the one starting the profiler), and the
             # device's synchronisations as events of their own
             config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
-            self.profiler = torch.profiler.profile(activities=activities, experimental_config=config)
+            self.profiler = torch.profiler.profile(
+                activities=activities, experimental_config=config, with_stack=self.stacks
+            )
             self.profiler.start()
         elif done == self.steps and self.profiler is not None:
             self._finish()
@@ -290,10 +296,12 @@ class _Trace:
         profiler.export_chrome_trace(self.path)
         busy: dict = collections.defaultdict(collections.Counter)
         waits: dict = collections.defaultdict(collections.Counter)
+        calls: dict = collections.defaultdict(collections.Counter)
         for event in profiler.events():
             if event.device_type != torch.autograd.DeviceType.CPU:
                 continue
             busy[event.thread][event.name] += event.self_cpu_time_total
+            calls[event.thread][event.name] += 1
             if event.name.startswith("cuda") and any(w in event.name + " " for w in self.WAITS):
                 waits[event.thread][event.name] += event.cpu_time_total
         print(f"\ntorch.profiler over {self.steps} steps (trace: {self.path}); us per step:")
@@ -302,6 +310,12 @@ class _Trace:
             print(f"thread {thread}: {sum(ops.values()) / self.steps:.0f} self CPU; {top}")
             if waits[thread]:
                 print("    waits: " + ", ".join(f"{n} {us / self.steps:.0f}" for n, us in waits[thread].most_common()))
+        # every thread's ops and CUDA runtime calls, per step: count and self CPU us (to compare two modes' files)
+        per_step = {
+            str(thread): {name: [calls[thread][name] / self.steps, us / self.steps] for name, us in ops.items()}
+            for thread, ops in busy.items()
+        }
+        Path(self.path + ".counts.json").write_text(json.dumps(per_step, indent=0, sort_keys=True))
 
 
 class _ThreadCPU:
