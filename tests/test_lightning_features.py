@@ -192,6 +192,40 @@ def test_the_scenarios_reach_what_they_exercise():
     assert any("grad_norm" in row and "before_backward" in row for _, row in logged)
 
 
+class SeesItsLossAtBackward(ToyRecommender):
+    """Keeps, per batch, the loss its training_step returned and the loss on_before_backward is given."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        self.losses.append([super().training_step(batch, batch_idx)])
+        return self.losses[-1][0]
+
+    def on_before_backward(self, loss):
+        self.losses[-1].append(loss)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("strategy", ["auto", "legacy_none"])
+def test_backward_gets_the_loss_training_step_returned_divided_only_when_accumulating(strategy, accumulate):
+    """Lightning divides the loss by ``accumulate_grad_batches`` before backward. Under the strategy a division
+    by 1 is not made (it was a kernel in the step's forward and one in its backward): backward gets the very
+    tensor training_step returned; accumulating, it gets the quotient, as under Lightning's own loop."""
+    runs = fit(
+        strategy if strategy == "auto" else HSTUPipelineStrategy(strategy),
+        model_cls=SeesItsLossAtBackward,
+        max_epochs=1,
+        limit_train_batches=4,
+        accumulate_grad_batches=accumulate,
+    )[0].losses
+    assert len(runs) == 4 and all(len(pair) == 2 for pair in runs)
+    for returned, given in runs:
+        assert torch.equal(given, returned / accumulate)
+        assert (given is returned) == (strategy != "auto" and accumulate == 1)
+
+
 @pytest.mark.parametrize("preset", ["legacy_none", "default_d6"])
 def test_dropout_draws_as_under_lightnings_ddp_strategy(preset):
     """Lightning's DDPStrategy, and this strategy built on it, seeds torch's generators again when it sets

@@ -29,7 +29,7 @@ from ..engine import Engine, StepResult, TaskRecord
 from .epoch_batches import BATCH_SIZES_KEY, WORLD_SIZE_KEY, EpochBatches, new_pass, record_shares
 from .errors import CheckpointError
 from .hook_calls import skipping_idle_hooks
-from .lightning_tasks import LightningTasks, TrainBatch
+from .lightning_tasks import LightningTasks, StepLoss, TrainBatch
 from .step_context import StepContext
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class EngineEpochLoop(_TrainingEpochLoop):
         super().__init__(trainer, min_steps, max_steps)
         self._strategy = strategy
         self._tasks = LightningTasks(trainer)
+        self.automatic_optimization.output_result_cls = StepLoss
         self._engine: Engine | None = None
         self._records: list[TaskRecord] = []  # of the engine steps since the last batch ended
         self._batches: EpochBatches | None = None

@@ -18,10 +18,12 @@ task's slots.
 import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities.rank_zero import WarningCache
@@ -41,6 +43,21 @@ HSTU_HOOKS = tuple(name for name in HSTU_TASK_NAMES if name not in LIGHTNING_BOD
 
 UNSHUFFLED = {"shuffled_batch": "device_batch"}
 """Without a shuffle of the module's own, each rank trains on the batch its loader gave it."""
+
+
+class StepLoss(ClosureResult):
+    """Lightning's ``ClosureResult`` of a ``training_step``, less its division of the loss by
+    ``accumulate_grad_batches`` when that is 1: the loss divided by 1 is the same value, and the division was a
+    kernel in the forward, an autograd node and a kernel in the backward of every step. Backward receives the
+    loss that ``training_step`` returned; with accumulation, Lightning's division is kept."""
+
+    @classmethod
+    def from_training_step_output(cls, output: Any, normalize: int = 1) -> ClosureResult:
+        if normalize == 1 and isinstance(output, torch.Tensor):
+            return cls(output)
+        if normalize == 1 and isinstance(output, Mapping) and output.get("loss") is not None:
+            return cls(output["loss"], extra={k: v for k, v in output.items() if k != "loss"})
+        return super().from_training_step_output(output, normalize)
 
 
 @dataclass

@@ -464,7 +464,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         retrieval, ranking = dense_losses(self.objectives, batch, embeddings, graphed)
         scale = global_token_scale(tokens)
         loss = self._checked((retrieval + ranking) * scale, batch_idx, embeddings, step)
-        self._log_step(batch.size, loss, retrieval * scale, ranking * scale)
+        self._log_step(batch.size, loss, retrieval, ranking, scale)
         return loss
 
     def _step_inputs(
@@ -498,16 +498,21 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         zero = zero + sum(jt.values().sum() for jt in embeddings.values()) * 0.0
         return zero.nan_to_num(0.0, 0.0, 0.0)  # non-finite embeddings times 0 are NaN: zero, and zero gradients
 
-    def _log_step(self, batch_size: int, loss: torch.Tensor, retrieval: torch.Tensor, ranking: torch.Tensor) -> None:
-        """The loss, its two parts and the shuffler's balance at the steps where Lightning writes metrics to
-        the logger (every ``Trainer(log_every_n_steps)``), and nowhere else: each ``self.log`` costs the
-        compute thread's host about as much as launching a small layer (Lightning moves the stored result
-        to the value's device and rebuilds its metadata on every call). The progress bar and callbacks that
-        monitor ``train/loss`` see the value of the last logged step; ``log_every_n_steps=1`` logs each."""
+    def _log_step(
+        self, batch_size: int, loss: torch.Tensor, retrieval: torch.Tensor, ranking: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """The loss, its two parts (each times the loss's ``scale``) and the shuffler's balance at the steps where
+        Lightning writes metrics to the logger (every ``Trainer(log_every_n_steps)``), and nowhere else: each
+        ``self.log`` costs the compute thread's host about as much as launching a small layer (Lightning moves
+        the stored result to the value's device and rebuilds its metadata on every call), and the scaled parts
+        are two kernels that only a logged step needs. The progress bar and callbacks that monitor
+        ``train/loss`` see the value of the last logged step; ``log_every_n_steps=1`` logs each."""
         trainer = self.trainer
         if trainer.log_every_n_steps > 0 and (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
             self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
-            self.log_dict({"train/retrieval": retrieval, "train/ranking": ranking}, batch_size=batch_size)
+            with torch.no_grad():
+                parts = {"train/retrieval": retrieval * scale, "train/ranking": ranking * scale}
+            self.log_dict(parts, batch_size=batch_size)
             if self.shuffler.last_balance is not None:
                 self.log("shuffle/max_over_mean", self.shuffler.last_balance.after, batch_size=batch_size)
 
