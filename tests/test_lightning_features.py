@@ -213,15 +213,15 @@ def test_backward_gets_the_loss_training_step_returned_divided_only_when_accumul
     """Lightning divides the loss by ``accumulate_grad_batches`` before backward. Under the strategy a division
     by 1 is not made (it was a kernel in the step's forward and one in its backward): backward gets the very
     tensor training_step returned; accumulating, it gets the quotient, as under Lightning's own loop."""
-    runs = fit(
+    losses = fit(
         strategy if strategy == "auto" else HSTUPipelineStrategy(strategy),
         model_cls=SeesItsLossAtBackward,
         max_epochs=1,
         limit_train_batches=4,
         accumulate_grad_batches=accumulate,
     )[0].losses
-    assert len(runs) == 4 and all(len(pair) == 2 for pair in runs)
-    for returned, given in runs:
+    assert len(losses) == 4 and all(len(pair) == 2 for pair in losses)
+    for returned, given in losses:
         assert torch.equal(given, returned / accumulate)
         assert (given is returned) == (strategy != "auto" and accumulate == 1)
 
