@@ -21,7 +21,9 @@ thread, and their ratio, and per version the medians of the three: where a chang
 alone, its CPU time shows how fast that process's CPU ran (it moves by 10-20% between processes of one lease
 on the GPU machines), and the ratio compares the stepping thread's work across processes without that drift;
 where a change moves work off or onto autograd's thread (the gradients added in the backward graph did), the
-two threads' own medians compare, not the ratio.
+two threads' own medians compare, not the ratio. It prints all threads' CPU time per step too (every thread
+``--thread-cpu`` lists: the caller's, the loader's, the engine's, autograd's), the host work of the whole
+process, for the strategy's own cost: the user's path's total against the ``engine`` row's.
 """
 
 import argparse
@@ -39,6 +41,8 @@ WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
 LOOPS = {"plain": "--plain", "lightning": "--lightning", "engine": "--engine"}
 """Versions that are another loop over the first version's package: their flag of ``profile_user_path.py``."""
 THREAD_CPU = re.compile(r"^\s+(hstu-main|MainThread|pt_autograd_\d+)\b[^\n]*?([0-9.]+) ms/step$", re.MULTILINE)
+ANY_THREAD_CPU = re.compile(r"^  \S[^\n]*?\s([0-9.]+) ms/step$", re.MULTILINE)
+"""A thread's line of ``profile_user_path.py --thread-cpu`` (every thread listed, 0.05 ms/step or more)."""
 
 
 def export(version: str, into: Path) -> Path:
@@ -73,9 +77,9 @@ def cores(spec: str | None) -> set[int] | None:
 
 def run(
     package: Path, loop: str | None, args: list[str], cpus: set[int] | None
-) -> tuple[float, str, tuple[float, float] | None]:
+) -> tuple[float, str, tuple[float, float, float] | None]:
     """One process of ``profile_user_path.py``: the median of its windows' ms/step, the windows, and (with
-    ``--thread-cpu``) the stepping thread's and autograd's thread's CPU ms per step, else None."""
+    ``--thread-cpu``) the stepping thread's, autograd's thread's and all threads' CPU ms per step, else None."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(HERE / "profile_user_path.py"), *args, *([loop] if loop else [])]
     result = subprocess.run(
@@ -96,9 +100,11 @@ def run(
     }
     stepping = cpu.get("hstu-main", cpu.get("MainThread"))
     if stepping is not None and cpu.get("autograd"):
-        threads = (stepping, cpu["autograd"])
+        block = result.stdout[result.stdout.rfind("threads' CPU time") :]
+        total = sum(float(ms) for ms in ANY_THREAD_CPU.findall(block))
+        threads = (stepping, cpu["autograd"], total)
         described += f"; CPU ms/step: stepping thread {stepping:.2f}, autograd {cpu['autograd']:.2f}, ratio "
-        described += f"{stepping / cpu['autograd']:.2f}"
+        described += f"{stepping / cpu['autograd']:.2f}, all threads {total:.2f}"
     return statistics.median(windows), described, threads
 
 
@@ -123,7 +129,7 @@ def main() -> None:
                 packages[base] = export(base, Path(scratch))
         packages.update({loop: packages[specs[args.versions[0]][0]] for loop in LOOPS})
         medians: dict[str, list[float]] = {v: [] for v in args.versions}
-        threads: dict[str, list[tuple[float, float]]] = {v: [] for v in args.versions}
+        threads: dict[str, list[tuple[float, float, float]]] = {v: [] for v in args.versions}
         for round_ in range(1, args.rounds + 1):
             for version in args.versions:
                 base, extra = specs[version]
@@ -141,11 +147,11 @@ def main() -> None:
         if version != args.versions[0]:
             line += f"  ({', '.join(f'{d:+.2f}' for d in deltas)}; faster in {faster} of {len(deltas)})"
         if threads[version]:
-            stepping, autograd = zip(*threads[version])
-            ratios = [s / a for s, a in threads[version]]
+            stepping, autograd, total = zip(*threads[version])
+            ratios = [s / a for s, a, _ in threads[version]]
             line += f"; CPU ms/step medians: stepping {statistics.median(stepping):.2f}, autograd "
             line += f"{statistics.median(autograd):.2f}, ratio {statistics.median(ratios):.2f}"
-            line += f" ({', '.join(f'{r:.2f}' for r in ratios)})"
+            line += f" ({', '.join(f'{r:.2f}' for r in ratios)}), all threads {statistics.median(total):.2f}"
         print(line)
 
 
