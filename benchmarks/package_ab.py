@@ -40,9 +40,9 @@ HERE = Path(__file__).resolve().parent
 WINDOW = re.compile(r"steps \d+-\d+: ([0-9.]+) ms/step")
 LOOPS = {"plain": "--plain", "lightning": "--lightning", "engine": "--engine"}
 """Versions that are another loop over the first version's package: their flag of ``profile_user_path.py``."""
-THREAD_CPU = re.compile(r"^\s+(hstu-main|MainThread|pt_autograd_\d+)\b[^\n]*?([0-9.]+) ms/step$", re.MULTILINE)
-ANY_THREAD_CPU = re.compile(r"^  \S[^\n]*?\s([0-9.]+) ms/step$", re.MULTILINE)
-"""A thread's line of ``profile_user_path.py --thread-cpu`` (every thread listed, 0.05 ms/step or more)."""
+THREAD_CPU = re.compile(r"^  (\S[^\n]*?)\s+([0-9.]+) ms/step$", re.MULTILINE)
+"""A thread's line of ``profile_user_path.py --thread-cpu`` (every thread listed, 0.05 ms/step or more): its name
+(the engine's by their Python names, autograd's device thread as ``pt_autograd_<n> (<id>)``) and CPU ms per step."""
 
 
 def export(version: str, into: Path) -> Path:
@@ -94,14 +94,13 @@ def run(
     if result.returncode or not windows:
         raise SystemExit(f"{' '.join(command)} (PYTHONPATH {package}) failed:\n{result.stderr[-3000:]}")
     described, threads = " ".join(f"{w:.2f}" for w in windows), None
+    block = result.stdout.partition("threads' CPU time")[2]  # empty without --thread-cpu
     cpu = {
-        ("autograd" if name.startswith("pt_autograd") else name): float(ms)
-        for name, ms in THREAD_CPU.findall(result.stdout)
+        ("autograd" if name.startswith("pt_autograd") else name): float(ms) for name, ms in THREAD_CPU.findall(block)
     }
     stepping = cpu.get("hstu-main", cpu.get("MainThread"))
     if stepping is not None and cpu.get("autograd"):
-        block = result.stdout[result.stdout.rfind("threads' CPU time") :]
-        total = sum(float(ms) for ms in ANY_THREAD_CPU.findall(block))
+        total = sum(cpu.values())
         threads = (stepping, cpu["autograd"], total)
         described += f"; CPU ms/step: stepping thread {stepping:.2f}, autograd {cpu['autograd']:.2f}, ratio "
         described += f"{stepping / cpu['autograd']:.2f}, all threads {total:.2f}"
