@@ -53,19 +53,19 @@ def compare_counts(a: str, b: str, rows: int) -> None:
 
 def compare_traces(a: str, b: str, steps: tuple[float, float], threads: int, rows: int) -> None:
     first, second = python_calls(a, steps[0]), python_calls(b, steps[1])
+    ranked = []  # each trace's thread ids, most calls first
     for path, calls in ((a, first), (b, second)):
-        each = ", ".join(
-            f"{tid}: {sum(c.values()):.0f}" for tid, c in sorted(calls.items(), key=lambda kv: -sum(kv[1].values()))
-        )
+        ranked.append(sorted(calls, key=lambda tid: -sum(calls[tid].values())))
+        each = ", ".join(f"{tid}: {sum(calls[tid].values()):.0f}" for tid in ranked[-1])
         print(f"Python calls per step by thread in {path}: {each}")
-    ranked = [sorted(calls, key=lambda tid: -sum(calls[tid].values())) for calls in (first, second)]
     for rank, (ta, tb) in enumerate(zip(*ranked)):
         if rank >= threads:
             break
         ca, cb = first[ta], second[tb]
         print(f"\nthread {ta} against {tb} (the {rank + 1}. busiest): {sum(ca.values()) - sum(cb.values()):+.0f} calls")
         names = sorted(set(ca) | set(cb), key=lambda n: -(ca[n] - cb[n]))
-        for name in names[:rows] + names[-min(rows, 5) :]:
+        shown = names[:rows] + names[max(rows, len(names) - 5) :]  # the most called more, then the most called less
+        for name in shown:
             print(f"{ca[name] - cb[name]:8.1f} {ca[name]:8.1f} {cb[name]:8.1f}  {name[:100]}")
 
 
