@@ -47,6 +47,9 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="timed calls per batch (median)")
     parser.add_argument("--kernels", type=int, default=30, help="kernels listed, heaviest first")
     parser.add_argument("--eager", action="store_true", help="the token-wise parts uncompiled")
+    parser.add_argument(
+        "--fp32-residual", action="store_true", help="HSTUConfig(autocast_residual=False): the residual in float32"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the fused attention kernel, compiled layers, bf16 autocast)")
@@ -56,6 +59,7 @@ def main():
         **{key: value for key, value in sizes.items() if key != "max_len"},
         max_seq_len=sizes["max_len"],
         compile_layers=not args.eager,
+        autocast_residual=not args.fp32_residual,
     )
     stack = layers.HSTUStack(config).cuda()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.workload}: {sizes}")

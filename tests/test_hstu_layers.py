@@ -1,5 +1,7 @@
 """Properties of the HSTU layer that the model relies on."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,6 +69,35 @@ def test_the_time_between_events_matters():
     x = torch.randn(1, 6, 16)
     mask = torch.ones(1, 6, dtype=torch.bool)
     assert not torch.allclose(model(x, mask, torch.arange(6)[None]), model(x, mask, torch.arange(6)[None] * 10_000))
+
+
+@pytest.mark.parametrize("autocast_residual", [True, False])
+def test_under_autocast_the_residual_stream_is_in_autocasts_dtype_unless_kept_in_float32(autocast_residual):
+    """What each layer's norm and the final norm read (the residual stream) under bf16 autocast: bf16 from the
+    first layer on, or float32 with ``autocast_residual=False``; the output and the input's gradient stay
+    float32 either way."""
+    torch.manual_seed(0)
+    model = HSTUStack(dataclasses.replace(CONFIG, autocast_residual=autocast_residual))
+    read = []
+    for norm in [layer.norm for layer in model.layers] + [model.norm]:
+        norm.register_forward_pre_hook(lambda module, args: read.append(args[0].dtype))
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, mask, torch.arange(6)[None].expand(2, 6) * 60)
+    assert read == [torch.bfloat16 if autocast_residual else torch.float32] * (CONFIG.num_layers + 1)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
+
+
+def test_without_autocast_the_residual_option_changes_nothing():
+    kept = stack()
+    cast = HSTUStack(dataclasses.replace(CONFIG, autocast_residual=False))
+    cast.load_state_dict(kept.state_dict())
+    x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
+    t = torch.arange(6)[None].expand(2, 6) * 60
+    assert torch.equal(kept(x, mask, t), cast(x, mask, t))
 
 
 def test_the_bias_lookup_has_the_gradient_of_plain_indexing():

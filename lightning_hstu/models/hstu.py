@@ -98,9 +98,10 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); ``history_logit``, a
     learned logit for the items already in the history (``HSTUObjectives``); AdamW's ``lr``,
     ``weight_decay`` and ``betas`` and the ``lr_schedule`` (``LR_SCHEDULES``) for the dense part,
-    ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``attention`` (``ATTENTION``) and
+    ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``attention`` (``ATTENTION``),
     ``compile_layers`` (``HSTUConfig``: the layers' token-wise parts through ``torch.compile`` where the fused
-    attention runs on CUDA). Evaluated by ``RankingEvaluation``."""
+    attention runs on CUDA) and ``autocast_residual`` (``HSTUConfig``: under autocast the residual stream in
+    its dtype; False keeps it in float32). Evaluated by ``RankingEvaluation``."""
 
     def __init__(
         self,
@@ -130,6 +131,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.999),
         compile_layers: bool = False,
+        autocast_residual: bool = True,
         history_logit: bool = False,
         lr_schedule: str = "constant",
     ):
@@ -162,6 +164,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             scale_inputs=scale_inputs,
             input_dropout=input_dropout,
             compile_layers=compile_layers,
+            autocast_residual=autocast_residual,
         )
         self.num_items = num_items
         self.objectives = HSTUObjectives(
