@@ -110,6 +110,7 @@ def model_sizes(sizes, attention="auto") -> dict:
         attention=attention,
         retrieval_loss="sampled",
         compile_layers=sizes.get("compile_layers", False),
+        autocast_residual=sizes.get("autocast_residual", True),
     )  # 16 sampled negatives per history
 
 
@@ -698,6 +699,14 @@ def main():
         help="HSTURecommender(compile_layers=...): the layers' token-wise parts through torch.compile (fused "
         "attention on CUDA only)",
     )
+    parser.add_argument(
+        "--residual",
+        nargs="+",
+        default=["autocast"],
+        choices=["autocast", "fp32"],
+        help="HSTURecommender(autocast_residual=...): the residual stream in autocast's dtype (the default) or "
+        "in float32",
+    )
     args = parser.parse_args()
     excluded = {"user": args.no_user_path, "lightning": args.no_lightning, "pipeline": args.no_pipeline}
     args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
@@ -722,8 +731,9 @@ def main():
         sizes = SMALL if args.small else WORKLOADS[workload]
         batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        for attention, shuffler, compiled in itertools.product(args.attention, args.shuffler, args.compile_layers):
-            sizes = {**sizes, "compile_layers": compiled == "on"}
+        blocks = itertools.product(args.attention, args.shuffler, args.compile_layers, args.residual)
+        for attention, shuffler, compiled, residual in blocks:
+            sizes = {**sizes, "compile_layers": compiled == "on", "autocast_residual": residual == "autocast"}
             say(
                 f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
                 f"per batch"
