@@ -92,12 +92,12 @@ def test_under_autocast_the_residual_stream_is_in_autocasts_dtype_unless_kept_in
 
 
 def test_without_autocast_the_residual_option_changes_nothing():
-    kept = stack()
-    cast = HSTUStack(dataclasses.replace(CONFIG, autocast_residual=False))
-    cast.load_state_dict(kept.state_dict())
+    in_autocast_dtype = stack()  # autocast_residual=True, the default
+    in_float32 = HSTUStack(dataclasses.replace(CONFIG, autocast_residual=False))
+    in_float32.load_state_dict(in_autocast_dtype.state_dict())
     x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
     t = torch.arange(6)[None].expand(2, 6) * 60
-    assert torch.equal(kept(x, mask, t), cast(x, mask, t))
+    assert torch.equal(in_autocast_dtype(x, mask, t), in_float32(x, mask, t))
 
 
 def test_the_bias_lookup_has_the_gradient_of_plain_indexing():
