@@ -4,7 +4,7 @@ tokens of a workload of ``hstu_pipelines.py`` (``--workload``, default seed: wid
 256). No embedding tables, losses, optimizer, Lightning or TorchRec: it runs on a bare GPU machine with torch
 and Triton, and shows where the dense step's kernel time goes.
 
-    python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30]
+    python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30] [--inductor KEY=VALUE ...]
 
 Inputs from ``kernel_ab.py``'s ``make_inputs`` (floor(U^-5) lengths capped at L, batch 32; time gaps up to an
 hour, every fifth 0). Prints ms per forward and backward (``kernel_ab.time_ms``: CUDA events, median of
@@ -14,12 +14,15 @@ then torch.profiler's kernels of the last batch, GPU ms per call of the stack.
 """
 
 import argparse
+import ast
+import functools
 import importlib
 import os
 import sys
 import types
 
 import torch
+import torch._inductor.config as inductor_config
 from kernel_ab import lengths_for, make_inputs, time_ms
 from workloads import WORKLOADS as SHAPES
 
@@ -50,7 +53,25 @@ def main():
     parser.add_argument(
         "--fp32-residual", action="store_true", help="HSTUConfig(autocast_residual=False): the residual in float32"
     )
+    parser.add_argument(
+        "--inductor",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="torch._inductor.config settings for the compiled layers, a Python literal each "
+        "(e.g. triton.mix_order_reduction_split_size=128)",
+    )
     args = parser.parse_args()
+    for setting in args.inductor:
+        key, _, value = setting.partition("=")
+        section, _, name = key.rpartition(".")
+        owner = functools.reduce(getattr, section.split("."), inductor_config) if section else inductor_config
+        if not name or not hasattr(owner, name):
+            parser.error(f"--inductor {setting}: torch._inductor.config has no setting {key!r}")
+        try:
+            setattr(owner, name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            parser.error(f"--inductor {setting}: the value must be a Python literal (a number, True, 'text')")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the fused attention kernel, compiled layers, bf16 autocast)")
     sizes = WORKLOADS[args.workload]
@@ -62,7 +83,8 @@ def main():
         autocast_residual=not args.fp32_residual,
     )
     stack = layers.HSTUStack(config).cuda()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.workload}: {sizes}")
+    settings = f"; inductor {' '.join(args.inductor)}" if args.inductor else ""
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.workload}: {sizes}{settings}")
     for batch in range(args.batches):
         lengths = lengths_for(32, sizes["max_len"], seed=batch)
         n = int(lengths.sum())
