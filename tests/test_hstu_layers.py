@@ -296,6 +296,32 @@ def padded_losses(retrieval, history_logit=False):
     return objectives, inputs, leaves
 
 
+def test_the_jagged_layout_puts_each_row_once_and_returns_each_rows_gradient():
+    """``JaggedLayout.tokens``: each history's user row, then its events, histories one after another (an empty
+    one keeps its user token), the rows past the real events last; float rows get the gradient that plain
+    indexing gives them, integer rows (the times) come out alike."""
+    from lightning_hstu.models.hstu import JaggedLayout
+
+    lengths, capacity = torch.tensor([2, 0, 3]), 7  # 5 real events, 2 rows past them
+    layout = JaggedLayout(lengths, capacity)
+    user = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    events = torch.randn(capacity, 4, dtype=torch.float64, requires_grad=True)
+    tokens = layout.tokens(user, events)
+    order = [("u", 0), ("e", 0), ("e", 1), ("u", 1), ("u", 2), ("e", 2), ("e", 3), ("e", 4), ("e", 5), ("e", 6)]
+    expected = torch.stack([user[i] if kind == "u" else events[i] for kind, i in order])
+    assert torch.equal(tokens, expected)
+    grad = torch.randn_like(tokens)
+    assert all(
+        torch.equal(got, want)
+        for got, want in zip(
+            torch.autograd.grad(tokens, (user, events), grad), torch.autograd.grad(expected, (user, events), grad)
+        )
+    )
+    assert torch.autograd.gradcheck(lambda u, e: layout.tokens(u, e), (user, events))
+    times = torch.arange(10, 10 + capacity)
+    assert layout.tokens(layout.user_times(times), times).tolist() == [10, 10, 11, 0, 12, 12, 13, 14, 15, 16]
+
+
 def jagged_losses(retrieval, history_logit=False, extra_rows=0, attention="fused"):
     """``padded_losses``' histories in the jagged layout, with ``extra_rows`` past the real events."""
     from lightning_hstu.models.hstu import JaggedInputs

@@ -621,6 +621,27 @@ def token_capacity(events: int, most: int, per_power_of_two: int = 32) -> int:
     return min(-(-events // step) * step, most)
 
 
+class _TokenRows(torch.autograd.Function):
+    """``user`` and ``events`` rows put at the token rows ``user_rows`` and ``event_rows``, which together
+    name every row of the output once (``JaggedLayout``). Forward writes each row once into an empty tensor
+    (no fill, no copy of a whole zero tensor per source, as out-of-place ``index_copy`` makes); backward
+    gathers each source's gradient rows (no zeroing of the rows a source filled, which autograd's
+    ``index_copy`` does for the tensor it wrote into)."""
+
+    @staticmethod
+    def forward(ctx, user, events, user_rows, event_rows):
+        ctx.save_for_backward(user_rows, event_rows)
+        rows = events.new_empty((len(user_rows) + len(event_rows), *events.shape[1:]))
+        return rows.index_copy_(0, user_rows, user).index_copy_(0, event_rows, events)
+
+    @staticmethod
+    def backward(ctx, grad):
+        user_rows, event_rows = ctx.saved_tensors
+        user = grad.index_select(0, user_rows) if ctx.needs_input_grad[0] else None
+        events = grad.index_select(0, event_rows) if ctx.needs_input_grad[1] else None
+        return user, events, None, None
+
+
 class JaggedLayout:
     """Where every history's tokens go in the stack's jagged input: sample b's are its user token, then its
     events, and the samples follow each other; event rows past the real ones (a capacity) come last, in no
@@ -638,8 +659,9 @@ class JaggedLayout:
         self.size = capacity + batch
 
     def tokens(self, user: torch.Tensor, events: torch.Tensor) -> torch.Tensor:
-        rows = events.new_zeros((self.size, *events.shape[1:]))
-        return rows.index_copy(0, self.token_offsets[:-1], user).index_copy(0, self.event_token, events)
+        """The ``size`` token rows: ``user`` [B, ...] at each history's first token, ``events`` [capacity, ...]
+        at theirs (``_TokenRows``: the two sets of rows cover every token once)."""
+        return _TokenRows.apply(user, events, self.token_offsets[:-1], self.event_token)
 
     def user_times(self, times: torch.Tensor) -> torch.Tensor:
         """The user token's time: its history's first event's (0 for an empty history), as padding gives."""
