@@ -20,6 +20,7 @@ import torch
 from hstu_pipelines import WORKLOADS, make_batches
 
 from lightning_hstu.hstu.step import global_tokens, sparse_features
+from lightning_hstu.models.hstu import JaggedLayout
 
 
 def time_part(fn, batches, calls: int, device: torch.device) -> float:
@@ -34,6 +35,25 @@ def time_part(fn, batches, calls: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return elapsed / calls * 1e6
+
+
+def token_rows(batches, width: int, device: torch.device):
+    """``JaggedLayout.tokens`` forward and backward on each batch's histories (its real events as the
+    capacity), rows as wide as the workload's model: the stack's input assembled from the user and event
+    rows, and their gradients taken back out."""
+    cases = {}
+    for batch in batches:
+        lengths = batch.sequence_lengths()
+        layout = JaggedLayout(lengths, int(lengths.sum()))
+        user = torch.randn(len(lengths), width, device=device, requires_grad=True)
+        events = torch.randn(layout.size - len(lengths), width, device=device, requires_grad=True)
+        cases[id(batch)] = layout, user, events, torch.randn(layout.size, width, device=device)
+
+    def run(batch):
+        layout, user, events, grad = cases[id(batch)]
+        torch.autograd.grad(layout.tokens(user, events), (user, events), grad)
+
+    return run
 
 
 def main():
@@ -56,6 +76,7 @@ def main():
         "sparse_features (split, bags of 32)": sparse_features,
         "global_tokens": global_tokens,
         "HSTUBatch.to (h2d)": lambda batch: on_host[id(batch)].to(device),
+        "JaggedLayout.tokens, forward and backward": token_rows(batches, sizes["embedding_dim"], device),
     }
     print(f"{args.workload} batches ({args.batch_size} histories), {device}, torch {torch.__version__}")
     for name, fn in table.items():
