@@ -44,9 +44,10 @@ def token_rows(batches, width: int, device: torch.device):
     cases = {}
     for batch in batches:
         lengths = batch.sequence_lengths()
-        layout = JaggedLayout(lengths, int(lengths.sum()))
+        capacity = int(lengths.sum())
+        layout = JaggedLayout(lengths, capacity)
         user = torch.randn(len(lengths), width, device=device, requires_grad=True)
-        events = torch.randn(layout.size - len(lengths), width, device=device, requires_grad=True)
+        events = torch.randn(capacity, width, device=device, requires_grad=True)
         cases[id(batch)] = layout, user, events, torch.randn(layout.size, width, device=device)
 
     def run(batch):
