@@ -100,6 +100,48 @@ def test_without_autocast_the_residual_option_changes_nothing():
     assert torch.equal(in_autocast_dtype(x, mask, t), in_float32(x, mask, t))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_compiled_stack_entry_equals_the_eager_one(padded):
+    """``compile_layers`` on CUDA compiles the stack's input and the first layer's inputs as one function
+    (``_stack_entry``, the first of ``_compiled_token_wise``). Here on the CPU: in float32 the compiled
+    function gives the eager one's residual stream, projection and every gradient (the input's, the position
+    table's, the norm's, f1's), with the inputs scaled and a padding mask; under bf16 autocast both give the
+    residual stream in bf16 (``autocast_residual``) and agree to bf16's precision."""
+    from lightning_hstu.models.hstu_layers import _compiled_token_wise, _stack_entry
+
+    torch.manual_seed(0)
+    model = HSTUStack(dataclasses.replace(CONFIG, position_embedding=True, scale_inputs=True))
+    shape = (2, 5, 16) if padded else (10, 16)
+    x = torch.randn(shape, requires_grad=True)
+    positions = torch.arange(5).expand(2, 5) if padded else torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5])
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2]) if padded else None
+    first = model.layers[0]
+    weights = (x, model.position.weight, first.norm.weight, first.norm.bias, first.f1.weight, first.f1.bias)
+
+    def run(entry, autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            residual, projected = entry(model, x, positions, mask, first.norm, first.f1)
+        grads = torch.autograd.grad((residual.float().square().sum() + projected.float().sin().sum()), weights)
+        return residual, projected, grads
+
+    residual, projected, grads = run(_stack_entry, False)
+    got_residual, got_projected, got_grads = run(_compiled_token_wise()[0], False)
+    torch.testing.assert_close(got_residual, residual, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_projected, projected, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(got_grads, grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    if padded:  # the padding is zero in the residual stream
+        assert got_residual[1, 3:].abs().sum() == 0 and residual[1, 3:].abs().sum() == 0
+
+    residual, projected, grads = run(_stack_entry, True)
+    got_residual, got_projected, got_grads = run(_compiled_token_wise()[0], True)
+    assert residual.dtype == got_residual.dtype == torch.bfloat16
+    torch.testing.assert_close(got_residual, residual, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_projected, projected, rtol=2e-2, atol=2e-2)
+    for got, expected in zip(got_grads, grads):
+        torch.testing.assert_close(got, expected, rtol=5e-2, atol=5e-2 * expected.abs().max().item())
+
+
 def test_the_bias_lookup_has_the_gradient_of_plain_indexing():
     from lightning_hstu.models.hstu_layers import lookup_bias
 

@@ -159,6 +159,25 @@ def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor, activate: boo
     return F.silu(projected) if activate else projected
 
 
+def _stack_entry(
+    stack: "HSTUStack",
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    norm: nn.Module,
+    f1: nn.Module,
+    activate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack's input (``HSTUStack._inputs``: scaled, plus the position's embedding, dropout, autocast's
+    dtype; with ``mask`` (padded) zero at the padding) and the first layer's inputs computed from it
+    (``_layer_inputs``). Compiled as one, the scale, the position rows, dropout and the cast are one pass
+    forward, and in backward the residual stream's two gradients (through the first layer and past it) are
+    added inside the first norm's backward kernel, with the cast and the scale."""
+    x = stack._inputs(x, positions)
+    x = x if mask is None else x * mask[..., None]
+    return x, _layer_inputs(norm, f1, x, activate)
+
+
 def _layer_output(
     norm: nn.Module,
     f2: nn.Module,
@@ -214,10 +233,10 @@ def _stack_output(
 def _compiled_token_wise():
     """The token-wise functions compiled once per process (the layers' modules are their arguments, so
     every layer shares the compiled code); dynamic in the token count. Each compiled function spans a layer
-    boundary (``_layer_boundary``): Inductor fuses the residual add into the next norm, and in backward the
-    residual stream's two gradients (through the next layer and past it) are added inside the norm's
-    backward kernel, where across two functions autograd adds them in a kernel of its own."""
-    return tuple(torch.compile(f, dynamic=True) for f in (_layer_inputs, _layer_boundary, _stack_output))
+    boundary (``_stack_entry``, ``_layer_boundary``): Inductor fuses the residual add into the next norm, and in
+    backward the residual stream's two gradients (through the next layer and past it) are added inside the
+    norm's backward kernel, where across two functions autograd adds them in a kernel of its own."""
+    return tuple(torch.compile(f, dynamic=True) for f in (_stack_entry, _layer_boundary, _stack_output))
 
 
 class PaddedTokens(NamedTuple):
@@ -248,9 +267,6 @@ class PaddedTokens(NamedTuple):
         u, v, q, k = uvqk.split([h * d, h * d, h * a, h * a], dim=-1)
         y = self.attend(q.unflatten(-1, (h, a)), k.unflatten(-1, (h, a)), v.unflatten(-1, (h, d)), bias)
         return u, y.flatten(-2)
-
-    def keep(self, y: torch.Tensor) -> torch.Tensor:
-        return y * self.mask[..., None]  # padding stays as it came in
 
 
 class JaggedTokens(NamedTuple):
@@ -397,7 +413,7 @@ class HSTUStack(nn.Module):
         relative = self.layers[0].bias.indices(timestamps) if len(self.layers) else None
         tokens = PaddedTokens(mask, relative)
         positions = torch.arange(x.shape[1], device=x.device)[None]
-        return self._run(tokens.keep(self._inputs(x, positions)), tokens).to(x.dtype)
+        return self._run(x, positions, tokens).to(x.dtype)
 
     def jagged(
         self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, grouped: bool = False
@@ -413,7 +429,7 @@ class HSTUStack(nn.Module):
         else:
             compiled = self.config.compile_layers and x.is_cuda
             tokens = JaggedTokens(offsets, timestamps, self.max_seq_len, compiled, plans={})
-        return self._run(self._inputs(x, positions), tokens).to(x.dtype)
+        return self._run(x, positions, tokens).to(x.dtype)
 
     def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout; under
@@ -428,16 +444,23 @@ class HSTUStack(nn.Module):
             x = x.to(torch.get_autocast_dtype(kind))  # the residual stream in autocast's dtype
         return x
 
-    def _run(self, x: torch.Tensor, tokens: PaddedTokens | JaggedTokens | GroupedTokens | None) -> torch.Tensor:
-        """The layers, their token-wise parts taken from one attention to the next (``_layer_boundary``);
-        compiled where the tokens say so (``JaggedTokens.compiled``)."""
-        if not len(self.layers):
-            return self.norm(x)
-        plain = (_layer_inputs, _layer_boundary, _stack_output)
-        inputs, boundary, output = _compiled_token_wise() if getattr(tokens, "compiled", False) else plain
+    def _run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: PaddedTokens | JaggedTokens | GroupedTokens | None,
+    ) -> torch.Tensor:
+        """The stack's input (``_inputs``) and the layers, their token-wise parts taken from one attention to
+        the next (``_stack_entry``, ``_layer_boundary``); compiled where the tokens say so
+        (``JaggedTokens.compiled``)."""
         mask = tokens.mask if isinstance(tokens, PaddedTokens) else None
+        if not len(self.layers):
+            x = self._inputs(x, positions)
+            return self.norm(x if mask is None else x * mask[..., None])
+        plain = (_stack_entry, _layer_boundary, _stack_output)
+        entry, boundary, output = _compiled_token_wise() if getattr(tokens, "compiled", False) else plain
         activate = not getattr(tokens, "silu", False)  # the attention's own SiLU (``JaggedTokens.silu``)
-        uvqk = inputs(self.layers[0].norm, self.layers[0].f1, x, activate)
+        x, uvqk = entry(self, x, positions, mask, self.layers[0].norm, self.layers[0].f1, activate)
         for layer, following in zip(self.layers, self.layers[1:]):
             u, y = layer.attend(uvqk, tokens)
             parts = layer.attention_norm, layer.f2, layer.dropout
