@@ -173,8 +173,7 @@ def _stack_entry(
     (``_layer_inputs``). Compiled as one, the scale, the position rows, dropout and the cast are one pass
     forward, and in backward the residual stream's two gradients (through the first layer and past it) are
     added inside the first norm's backward kernel, with the cast and the scale."""
-    x = stack._inputs(x, positions)
-    x = x if mask is None else x * mask[..., None]
+    x = stack._inputs(x, positions, mask)
     return x, _layer_inputs(norm, f1, x, activate)
 
 
@@ -431,9 +430,9 @@ class HSTUStack(nn.Module):
             tokens = JaggedTokens(offsets, timestamps, self.max_seq_len, compiled, plans={})
         return self._run(x, positions, tokens).to(x.dtype)
 
-    def _inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens the first layer sees: scaled, plus their position's embedding, with input dropout; under
-        autocast in its dtype (``HSTUConfig.autocast_residual``)."""
+        autocast in its dtype (``HSTUConfig.autocast_residual``); with ``mask`` (padded) zero at the padding."""
         if self.config.scale_inputs:
             x = x * self.config.embedding_dim**0.5
         if self.position is not None:
@@ -442,7 +441,7 @@ class HSTUStack(nn.Module):
         kind = x.device.type
         if self.config.autocast_residual and torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))  # the residual stream in autocast's dtype
-        return x
+        return x if mask is None else x * mask[..., None]
 
     def _run(
         self,
@@ -455,8 +454,7 @@ class HSTUStack(nn.Module):
         (``JaggedTokens.compiled``)."""
         mask = tokens.mask if isinstance(tokens, PaddedTokens) else None
         if not len(self.layers):
-            x = self._inputs(x, positions)
-            return self.norm(x if mask is None else x * mask[..., None])
+            return self.norm(self._inputs(x, positions, mask))
         plain = (_stack_entry, _layer_boundary, _stack_output)
         entry, boundary, output = _compiled_token_wise() if getattr(tokens, "compiled", False) else plain
         activate = not getattr(tokens, "silu", False)  # the attention's own SiLU (``JaggedTokens.silu``)
