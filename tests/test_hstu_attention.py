@@ -252,6 +252,39 @@ def test_the_attention_from_the_projection_equals_the_split_and_the_kernel(
         kernel.projected_attention(uvqk[:, :150], heads, a, d, offsets, times, bias.position, bias.time, 16)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels on a GPU only")
+def test_token_counts_of_any_divisibility_reuse_the_compiled_kernels():
+    """The token count (and the stored score gradients' rows per head, which follow it) changes with every
+    batch. The kernels take it unspecialised: after a batch of 32 tokens, batches of 33, 25 and 49 (not
+    divisible by 16) launch the kernels already compiled, where Triton would compile each kernel again for
+    an integer argument of the other divisibility (seconds, in the middle of training)."""
+    from triton import knobs
+
+    heads, a, d = 2, 16, 24
+    bias = bias_tables(64, 8, "cuda")
+    compiled = []
+
+    def step(lengths):
+        _, _, _, offsets, times, _ = jagged_batch(lengths, heads, a, d, 8, "cuda")
+        x = torch.randn(len(times), heads * (2 * d + 2 * a), device="cuda", requires_grad=True)
+        u, y = kernel.projected_attention(
+            x, heads, a, d, offsets, times, bias.position, bias.time, 64, True, silu_u=False
+        )
+        (u.sum() + y.sum()).backward()
+
+    def hook(**kwargs):
+        compiled.append(kwargs["repr"].split("[")[0])
+
+    step([16, 16])
+    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        for lengths in ([16, 17], [9, 16], [20, 21, 8]):
+            step(lengths)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []
+
+
 @pytest.mark.parametrize("launch", ["bias gradients in dq", "dk from the stored score gradients"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_layers_sharing_a_batch_plan_compute_it_once_and_train_alike(device, launch, monkeypatch):

@@ -438,7 +438,7 @@ def _fwd_tile(
     return acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "s_head_rows"])
 def _hstu_fwd(
     Q,
     K,
@@ -798,7 +798,7 @@ def _dkdv_tile(
     return dk, dv, dtime
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "ds_head_rows"])
 def _hstu_bwd_dkdv(
     Q,
     K,
@@ -1073,7 +1073,7 @@ def _dq_tile(
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _hstu_bwd_dq(
     Q,
     K,
@@ -1318,7 +1318,7 @@ def _dq_stored_tile(
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION), dtime
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "ds_head_rows"])
 def _hstu_bwd_dq_stored(
     DS,
     ds_side,
@@ -1669,7 +1669,7 @@ def _keys_stored(
         _add_time_grads(d_time, dtime, inv_n, num_buckets, TIME_BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "ds_head_rows"])
 def _hstu_bwd_dk_stored(
     DS,
     ds_side,
@@ -1705,7 +1705,7 @@ def _hstu_bwd_dk_stored(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "ds_head_rows"])
 def _hstu_bwd_time_stored(
     DS,
     ds_side,
@@ -1732,7 +1732,7 @@ def _hstu_bwd_time_stored(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ds_head_rows"])
 def _hstu_bwd_position_bands(
     DS,
     ds_side,
@@ -2278,7 +2278,7 @@ class _ProjectedAttention(torch.autograd.Function):
         return d_x, None, None, d_position, d_time, None, None, None, None, None, None, None, None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _silu_rows_kernel(out, x, rows, width, x_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``out = SiLU(x)`` over ``[rows, width]``: ``x``'s rows contiguous, ``out`` contiguous."""
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
