@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from small_hstu import lengths_apart
 
@@ -98,6 +99,66 @@ def test_without_autocast_the_residual_option_changes_nothing():
     x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
     t = torch.arange(6)[None].expand(2, 6) * 60
     assert torch.equal(in_autocast_dtype(x, mask, t), in_float32(x, mask, t))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_linear_map_with_its_bias_in_the_weight_product_equals_f_linear(autocast):
+    """``_BiasInProduct`` (the compiled layers' linear maps): the output and the gradients of the input, the weight
+    and the bias are ``F.linear``'s, the bias's gradient read from the weight gradient's product; under bf16
+    autocast both compute in bf16 and agree to its precision, the gradients in the inputs' dtypes."""
+    from lightning_hstu.models.hstu_layers import _BiasInProduct
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 24, requires_grad=True)
+    weight, bias = torch.randn(40, 24, requires_grad=True), torch.randn(40, requires_grad=True)
+    dy = torch.randn(37, 40)
+
+    def run(linear):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = linear(x, weight, bias)
+        return (out, *torch.autograd.grad(out, (x, weight, bias), dy.to(out.dtype)))
+
+    expected, got = run(F.linear), run(_BiasInProduct.apply)
+    tolerance = {"rtol": 2e-2, "atol": 5e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    assert got[0].dtype == expected[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g.float(), e.float(), **tolerance)
+    torch.testing.assert_close(got[3], dy.sum(0), **tolerance)  # the bias's gradient: the column sums
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_compiled_layer_boundary_and_output_equal_the_eager_ones(autocast):
+    """The compiled ``_layer_boundary`` and ``_stack_output`` (the fused attention's path on CUDA) give the eager
+    functions' outputs and gradients (residual stream, attention output, U, every norm's and linear map's
+    parameters, f1's and f2's biases among them) on jagged tokens, in float32 and under bf16 autocast."""
+    from lightning_hstu.models.hstu_layers import _compiled_token_wise, _layer_boundary, _stack_output
+
+    torch.manual_seed(0)
+    model = HSTUStack(CONFIG)
+    first, second = model.layers[0], model.layers[1]
+    width = CONFIG.num_heads * CONFIG.hidden_dim
+    x = torch.randn(11, CONFIG.embedding_dim, requires_grad=True)
+    y, u = torch.randn(11, width, requires_grad=True), torch.randn(11, width, requires_grad=True)
+    parts = first.attention_norm, first.f2, first.dropout
+    weights = [x, y, u, *first.attention_norm.parameters(), *first.f2.parameters()]
+    weights += [*second.norm.parameters(), *second.f1.parameters(), *model.norm.parameters()]
+
+    def run(boundary, output):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            residual, projected = boundary(*parts, x, y, u, None, second.norm, second.f1, False)
+            out = output(*parts, residual, y, u, None, model.norm, True)
+        loss = out.float().square().sum() + projected.float().sin().sum() + residual.float().cos().sum()
+        return [residual, projected, out, *torch.autograd.grad(loss, weights)]
+
+    _, boundary, output = _compiled_token_wise()
+    expected, got = run(_layer_boundary, _stack_output), run(boundary, output)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype
+        if autocast:
+            torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * e.abs().max().item())
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("padded", [False, True])

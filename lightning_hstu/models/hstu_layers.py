@@ -152,10 +152,52 @@ class HSTULayer(nn.Module):
         return tokens.attention(uvqk, self.heads, self.attention_dim, self.hidden_dim, self.bias)
 
 
+_BIAS_COLUMNS = 16
+"""The columns ``_BiasInProduct`` appends to a linear map's input: a column of ones and zeros up to a multiple of 16
+bytes' worth of rows for the products."""
+
+
+class _BiasInProduct(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward computes the bias's gradient inside the weight's gradient
+    product: the input is kept with a column of ones (and zeros up to ``_BIAS_COLUMNS``), so that
+    ``dy^T [x, 1, 0...]`` holds the weight's gradient and, in its column ``width``, the bias's (the column sums of
+    ``dy``), where ``F.linear``'s backward reads ``dy`` a second time to sum it. Forward and the input's gradient
+    are the same products as ``F.linear``'s. Under autocast the products run in its dtype, as ``F.linear``'s."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        rows, width = x.shape
+        extra = x.new_zeros(rows, _BIAS_COLUMNS, dtype=dtype)
+        extra[:, 0] = 1
+        inputs = torch.cat([x.to(dtype), extra], dim=1)
+        w = weight.to(dtype)
+        ctx.save_for_backward(inputs, w)
+        ctx.dtypes = x.dtype, weight.dtype, bias.dtype
+        return torch.addmm(bias.to(dtype), inputs[:, :width], w.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inputs, w = ctx.saved_tensors
+        width = w.shape[1]
+        grad = grad.to(w.dtype)
+        both = grad.t() @ inputs  # [out, width + _BIAS_COLUMNS]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        return (grad @ w).to(x_dtype), both[:, :width].to(w_dtype), both[:, width].to(b_dtype)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; inside ``torch.compile`` on 2-d tokens by ``_BiasInProduct``."""
+    if torch.compiler.is_compiling() and x.dim() == 2 and layer.bias is not None:
+        return _BiasInProduct.apply(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 def _layer_inputs(norm: nn.Module, f1: nn.Module, x: torch.Tensor, activate: bool = True) -> torch.Tensor:
     """SiLU(f1(Norm(x))): U, V, Q and K side by side; without ``activate`` the pre-activations f1(Norm(x)),
     whose SiLU the attention computes (``JaggedTokens.silu``)."""
-    projected = f1(norm(x))
+    projected = _linear(f1, norm(x))
     return F.silu(projected) if activate else projected
 
 
@@ -190,7 +232,7 @@ def _layer_output(
     """x + f2(Norm(A V) * U), with dropout before the residual add; with ``mask`` (padded) the padding stays
     as it came in. ``activate_u``: ``u`` is the pre-activation, U = SiLU(u) (the fused attention leaves U's SiLU
     to this function, where compiled it costs no pass of its own)."""
-    update = dropout(f2(norm(y) * (F.silu(u) if activate_u else u)))
+    update = dropout(_linear(f2, norm(y) * (F.silu(u) if activate_u else u)))
     return x + (update if mask is None else update * mask[..., None])
 
 
