@@ -1,13 +1,17 @@
 """The seed layer's matrix products alone, as the compiled layers call them (cuBLAS through aten), against the
 rate cuBLAS reaches on a large square product: how far the step's linear maps are from what the GPU gives.
 
-    python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 4096] [--reps 30]
+    python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 4096] [--reps 30] \
+        [--bias-columns 8 16 64 128]
 
 Per product of a layer (f1: the projection, width -> projection with its bias; f2: the output map, width ->
 width with its bias; each forward, input gradient and weight gradient): us per call (median of ``--reps``,
 CUDA events around each call: ``kernel_ab.time_ms``), TFLOP/s, and the same product with the token count
 rounded up to a multiple of 256 (what cuBLAS picks for a round row count); then the ten layers' sum per step.
-Needs a GPU; torch only (neither the package nor TorchRec is imported).
+With ``--bias-columns``, also the bias's gradient as a column sum of the output's gradient (Inductor's way) and
+as part of the weight gradient's product with the input widened by a column of ones and zeros up to each given
+count of columns (``_BiasInProduct``'s way). Needs a GPU; torch only (neither the package nor TorchRec is
+imported).
 """
 
 import argparse
@@ -40,6 +44,20 @@ def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, fl
     return rows
 
 
+def bias_products(tokens: int, width: int, out: int, columns: list[int], reps: int) -> list[tuple[str, float]]:
+    """(name, us per call) of a linear map's bias gradient: the column sum of the output's gradient, and the weight
+    gradient's product with the input widened by ``c`` columns (ones, then zeros) for each ``c`` of ``columns``."""
+    dtype, device = torch.bfloat16, "cuda"
+    dy = torch.randn(tokens, out, dtype=dtype, device=device)
+    rows = [("bias gradient (column sum of dy)", time_ms(lambda: dy.sum(0), reps) * 1e3)]
+    for count in columns:
+        widened = torch.zeros(tokens, width + count, dtype=dtype, device=device)
+        widened[:, :width].normal_()
+        widened[:, width] = 1
+        rows.append((f"weight and bias gradients, +{count} columns", time_ms(lambda: dy.t() @ widened, reps) * 1e3))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
@@ -51,6 +69,7 @@ def main():
         help="f1's output: U, V, Q and K side by side",
     )
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--bias-columns", type=int, nargs="*", default=[], help="columns added for the bias")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_shapes.py needs a GPU")
@@ -65,6 +84,9 @@ def main():
             for name, us, rate in products(tokens, args.width, out, args.reps):
                 total[tokens] += us * LAYERS
                 print(f"{map_name} {tokens} x {args.width} -> {out}: {name:<36} {us:9.1f} us {rate:7.1f} TFLOP/s")
+            if args.bias_columns and tokens == args.tokens:
+                for name, us in bias_products(tokens, args.width, out, args.bias_columns, args.reps):
+                    print(f"{map_name} {tokens} x {args.width} -> {out}: {name:<36} {us:9.1f} us")
     for tokens, us in total.items():
         flop = LAYERS * 3 * 2 * tokens * args.width * (args.projection + args.width)
         rate = flop / us / 1e6
