@@ -1,8 +1,7 @@
-"""Memory-bound kernels of the fused attention's entry on the seed's shape, under launch settings: the SiLU
+"""The memory-bound kernel of the fused attention's entry on the seed's shape, under launch settings: the SiLU
 of V, Q and K (``_silu_rows``: the projection's last columns, a view whose rows lie the projection's width
-apart, into a contiguous tensor) and U's gradient written into the projection gradient's first columns
-(``_copy_rows``), beside torch's SiLU and copy on contiguous tensors of the same size (what the memory
-delivers to a plain elementwise kernel).
+apart, into a contiguous tensor), beside torch's SiLU and copy on contiguous tensors of the same size (what the
+memory delivers to a plain elementwise kernel).
 
     python benchmarks/rows_kernels.py [--kernel lightning_hstu/kernels/hstu_attention.py] [--rows 28541]
 
@@ -65,12 +64,6 @@ def main():
             row(name, time_us(lambda: kernel._silu_rows(vqk), args.reps), 2 * size)
     finally:
         kernel.SILU_ROWS_LAUNCH = default
-    grad = torch.empty_like(x)
-    du = torch.randn(n, U, device="cuda", dtype=torch.bfloat16)
-    u_size = du.numel() * du.element_size()
-    copy = time_us(lambda: kernel._copy_rows(grad[:, :U], du), args.reps)
-    row("_copy_rows, U's gradient into its columns", copy, 2 * u_size)
-    row("torch copy, contiguous [N, U]", time_us(lambda: du.clone(), args.reps), 2 * u_size)
 
 
 if __name__ == "__main__":

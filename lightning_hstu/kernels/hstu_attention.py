@@ -312,6 +312,29 @@ def _zero_tail(
 
 
 @triton.jit
+def _copy_tail(
+    dst,
+    src,
+    offsets,
+    tokens,
+    dst_stride,
+    src_stride,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
+):
+    """As ``_zero_tail``, copying the rows after the last sequence of a [tokens, WIDTH] view ``src`` into ``dst``."""
+    seq, _, rank = _program(ORDER, order)
+    step = _ranks(ORDER) * ROWS
+    for row in range(tl.load(offsets + seq).to(tl.int32) + rank * ROWS, tokens, step):
+        rows = (row + tl.arange(0, ROWS)).to(tl.int64)
+        ok = rows < tokens
+        _store_rows(dst, rows, ok, dst_stride, _rows(src, rows, ok, src_stride, WIDTH, BLOCK), WIDTH, BLOCK)
+
+
+@triton.jit
 def _sequence(offsets, seq):
     start = tl.load(offsets + seq).to(tl.int64)
     return start, (tl.load(offsets + seq + 1) - start).to(tl.int32)
@@ -808,6 +831,8 @@ def _hstu_bwd_dkdv(
     dV,
     PK,
     PV,
+    U_GRAD,
+    dU,
     DS,
     ds_side,
     ds_head_rows,
@@ -828,6 +853,10 @@ def _hstu_bwd_dkdv(
     stride_dkh,
     stride_dvn,
     stride_dvh,
+    stride_gun,
+    stride_guh,
+    stride_dun,
+    stride_duh,
     num_positions,
     num_buckets,
     ATTENTION_DIM: tl.constexpr,
@@ -850,7 +879,9 @@ def _hstu_bwd_dkdv(
     order,
 ):
     """dk, dv and the score gradients (stored where ``STORE_DS``) of a block of keys; dv and the score
-    gradients only where not ``DK`` (``_hstu_bwd_dk_stored`` then makes dk from them)."""
+    gradients only where not ``DK`` (``_hstu_bwd_dk_stored`` then makes dk from them). Where ``U_GRAD`` is given,
+    the program also copies U's gradient of its keys' rows and head into ``dU`` (its columns of the projection's
+    gradient), where a copy kernel would make a pass of its own."""
     seq, head, rank = _program(ORDER, order)
     if _is_tail(seq, ORDER):
         if DK:
@@ -858,6 +889,20 @@ def _hstu_bwd_dkdv(
                 dK + head * stride_dkh, offsets, tokens, stride_dkn, ATTENTION_DIM, BLOCK_A, BLOCK_N, ORDER, order
             )
         _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, ORDER, order)
+        if U_GRAD is not None:
+            _copy_tail(
+                dU + head * stride_duh,
+                U_GRAD + head * stride_guh,
+                offsets,
+                tokens,
+                stride_dun,
+                stride_gun,
+                HIDDEN_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                ORDER,
+                order,
+            )
         return
     start, n = _sequence(offsets, seq)
     block = tl.cdiv(n, BLOCK_N) - _ranks(ORDER) + rank  # the first keys (most rows) first
@@ -867,6 +912,9 @@ def _hstu_bwd_dkdv(
     ts = timestamps + start
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < n
+    if U_GRAD is not None:
+        u_grad = _rows(U_GRAD + start * stride_gun + head * stride_guh, cols, col_ok, stride_gun, HIDDEN_DIM, BLOCK_D)
+        _store_rows(dU + start * stride_dun + head * stride_duh, cols, col_ok, stride_dun, u_grad, HIDDEN_DIM, BLOCK_D)
     k = _rows(K + start * stride_kn + head * stride_kh, cols, col_ok, stride_kn, ATTENTION_DIM, BLOCK_A)
     v = _rows(V + start * stride_vn + head * stride_vh, cols, col_ok, stride_vn, HIDDEN_DIM, BLOCK_D)
     ts_j = tl.load(ts + cols, mask=col_ok, other=0)
@@ -2052,10 +2100,11 @@ def _forward(
     return out, {**state, "scores": scores, "scores_head_rows": head_rows}
 
 
-def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pre=None):
+def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pre=None, u_grads=None):
     """Writes dq, dk and dv (tensors of q's, k's and v's shape: views of a wider tensor are fine) and returns
     the two tables' gradients. ``pre``: None, or the pre-activations x whose SiLU q, k and v are (views of
-    the strides of dq, dk and dv): then the gradients written are with respect to x."""
+    the strides of dq, dk and dv): then the gradients written are with respect to x. ``u_grads``: None, or
+    (U's gradient, where to write it), both of v's shape: the dk/dv kernel copies the one into the other."""
     pq, pk, pv = (None, None, None) if pre is None else pre
     if pre is not None and any(p.stride() != g.stride() for p, g in zip(pre, (dq, dk, dv))):
         raise ValueError("pre: the pre-activations must have the strides of the gradients written beside them")
@@ -2087,13 +2136,14 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         dv,
         pk,
         pv,
+        *((None, None) if u_grads is None else u_grads),
         _ds_descriptor(ds, config) if store else None,
         ds_side,
         ds_head_rows,
         d_position,
         d_time,
         *common,
-        *(stride for t in (k, v, dk, dv) for stride in t.stride()[:2]),
+        *(stride for t in (k, v, dk, dv, *(u_grads or (dv, dv))) for stride in t.stride()[:2]),
         **constants,
         **config,
         SKEW=triton.next_power_of_2(config["BLOCK_M"] + config["BLOCK_N"] - 1),
@@ -2264,17 +2314,21 @@ class _ProjectedAttention(torch.autograd.Function):
         d_x = torch.empty((activated.shape[0], ctx.width), dtype=activated.dtype, device=activated.device)
         d_u, dv, dq, dk = _split(d_x, *ctx.dims)
         pre_u, pre_v, pre_q, pre_k = (None,) * 4 if pre is None else _split(pre, *ctx.dims)
+        u_grads = None
         if du is None:
             d_u.zero_()
-        elif pre is None or not ctx.silu_u:  # U's gradient as it came (U not activated here)
-            _copy_rows(d_u.flatten(-2), du)
+        elif pre is None or not ctx.silu_u:  # U's gradient as it came (U not activated here): the dk/dv kernel
+            du = du if du.stride(-1) == 1 else du.contiguous()  # copies it into its columns
+            u_grads = du.unflatten(-1, d_u.shape[-2:]), d_u
         else:  # U's gradient times SiLU'(x), written into its columns (one kernel)
             torch.ops.aten.silu_backward.grad_input(du, pre_u.flatten(-2), grad_input=d_u.flatten(-2))
         grad = (
             torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad.unflatten(-1, v.shape[-2:])
         )
         pres = None if pre is None else (pre_q, pre_k, pre_v)
-        d_position, d_time = _backward(ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pres)
+        d_position, d_time = _backward(
+            ctx.state, q, k, v, offsets, timestamps, position, time, grad, dq, dk, dv, pres, u_grads
+        )
         return d_x, None, None, d_position, d_time, None, None, None, None, None, None, None, None
 
 
@@ -2305,20 +2359,6 @@ def _silu_rows(x: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(rows, launch["BLOCK_R"]), triton.cdiv(width, launch["BLOCK_C"]))
     _silu_rows_kernel[grid](out, x, rows, width, x.stride(0), **launch)
     return out
-
-
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for ``[N, W]`` tensors with contiguous rows (``dst`` a view of a wider tensor): as
-    8-byte words where widths, strides and addresses allow (four bf16 per element), since torch copies into
-    a strided view one element at a time."""
-    word = max(1, 8 // dst.element_size())
-    aligned = all(
-        t.dtype == dst.dtype and t.stride(-1) == 1 and t.stride(0) % word == 0 and t.data_ptr() % 8 == 0
-        for t in (dst, src)
-    )
-    if word > 1 and aligned and dst.shape[-1] % word == 0 and dst.shape == src.shape:
-        dst, src = dst.view(torch.int64), src.view(torch.int64)
-    dst.copy_(src)
 
 
 def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, with_u: bool = True):
