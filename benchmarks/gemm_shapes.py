@@ -2,7 +2,7 @@
 rate cuBLAS reaches on a large square product: how far the step's linear maps are from what the GPU gives.
 
     python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 4096] [--reps 30] \
-        [--bias-columns 8 16 64 128]
+        [--bias-columns 8 16 64 128] [--split-u]
 
 Per product of a layer (f1: the projection, width -> projection with its bias; f2: the output map, width ->
 width with its bias; each forward, input gradient and weight gradient): us per call (median of ``--reps``,
@@ -10,8 +10,11 @@ CUDA events around each call: ``kernel_ab.time_ms``), TFLOP/s, and the same prod
 rounded up to a multiple of 256 (what cuBLAS picks for a round row count); then the ten layers' sum per step.
 With ``--bias-columns``, also the bias's gradient as a column sum of the output's gradient (Inductor's way) and
 as part of the weight gradient's product with the input widened by a column of ones and zeros up to each given
-count of columns (``_BiasInProduct``'s way). Needs a GPU; torch only (neither the package nor TorchRec is
-imported).
+count of columns (``_BiasInProduct``'s way). With ``--split-u``, f1's three products (the weight gradient's with
+the bias in it, 16 columns) as one map against two, U's (width -> the first ``--u-width`` columns) and V, Q and K's
+(the rest), whose input gradients add up in the second product: what the split costs in products, against the
+U gradient's copy into its columns that it would save (the copy's traffic timed as a contiguous clone). Needs a
+GPU; torch only (neither the package nor TorchRec is imported).
 """
 
 import argparse
@@ -58,6 +61,36 @@ def bias_products(tokens: int, width: int, out: int, columns: list[int], reps: i
     return rows
 
 
+def split_products(tokens: int, width: int, out: int, u_width: int, reps: int) -> list[tuple[str, float]]:
+    """(name, us per call) of f1's forward, input gradient and weight gradient (input widened by 16 columns for
+    the bias) as one map of ``out`` columns and as two maps of ``u_width`` and ``out - u_width`` columns."""
+    dtype, device = torch.bfloat16, "cuda"
+    x = torch.randn(tokens, width, dtype=dtype, device=device)
+    widened = torch.zeros(tokens, width + 16, dtype=dtype, device=device)
+    widened[:, :width] = x
+    widened[:, width] = 1
+    weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
+    bias = torch.randn(out, dtype=dtype, device=device)
+    dy = torch.randn(tokens, out, dtype=dtype, device=device)
+    w_u, w_rest = weight[:u_width], weight[u_width:]
+    b_u, b_rest = bias[:u_width], bias[u_width:]
+    dy_u, dy_rest = dy[:, :u_width].contiguous(), dy[:, u_width:].contiguous()
+    dw = torch.empty(out, width + 16, dtype=dtype, device=device)
+    calls = {
+        "one map: forward": lambda: torch.addmm(bias, x, weight.t()),
+        "one map: input gradient": lambda: dy @ weight,
+        "one map: weight and bias gradients": lambda: torch.mm(dy.t(), widened, out=dw),
+        "two maps: forwards": lambda: (torch.addmm(b_u, x, w_u.t()), torch.addmm(b_rest, x, w_rest.t())),
+        "two maps: input gradient (two products, added)": lambda: torch.addmm(dy_u @ w_u, dy_rest, w_rest),
+        "two maps: weight and bias gradients": lambda: (
+            torch.mm(dy_u.t(), widened, out=dw[:u_width]),
+            torch.mm(dy_rest.t(), widened, out=dw[u_width:]),
+        ),
+        "U's gradient's traffic (a contiguous clone)": lambda: dy_u.clone(),
+    }
+    return [(name, time_ms(call, reps) * 1e3) for name, call in calls.items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
@@ -70,6 +103,8 @@ def main():
     )
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--bias-columns", type=int, nargs="*", default=[], help="columns added for the bias")
+    parser.add_argument("--split-u", action="store_true", help="f1 as one map against U's and V, Q and K's maps")
+    parser.add_argument("--u-width", type=int, default=SEED["num_heads"] * SEED["hidden_dim"], help="U's columns")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_shapes.py needs a GPU")
@@ -87,6 +122,9 @@ def main():
             if args.bias_columns and tokens == args.tokens:
                 for name, us in bias_products(tokens, args.width, out, args.bias_columns, args.reps):
                     print(f"{map_name} {tokens} x {args.width} -> {out}: {name:<36} {us:9.1f} us")
+    if args.split_u:
+        for name, us in split_products(args.tokens, args.width, args.projection, args.u_width, args.reps):
+            print(f"f1 {args.tokens} x {args.width} -> {args.projection}, U {args.u_width}: {name:<46} {us:9.1f} us")
     for tokens, us in total.items():
         flop = LAYERS * 3 * 2 * tokens * args.width * (args.projection + args.width)
         rate = flop / us / 1e6
