@@ -290,29 +290,7 @@ def _is_tail(seq, ORDER: tl.constexpr):
 
 
 @triton.jit
-def _zero_tail(
-    base,
-    offsets,
-    tokens,
-    stride,
-    WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    ORDER: tl.constexpr,
-    order,
-):
-    """For the programs of the grid's last sequence index (one past the batch's): zeroes the rows after the
-    last sequence (``offsets[-1]:tokens``, the capacity's padding) of a [tokens, WIDTH] view, ``ROWS`` rows
-    per step, the programs of one head taking turns in rank order."""
-    seq, _, rank = _program(ORDER, order)
-    step = _ranks(ORDER) * ROWS
-    for row in range(tl.load(offsets + seq).to(tl.int32) + rank * ROWS, tokens, step):
-        rows = (row + tl.arange(0, ROWS)).to(tl.int64)
-        _store_rows(base, rows, rows < tokens, stride, tl.zeros([ROWS, BLOCK], tl.float32), WIDTH, BLOCK)
-
-
-@triton.jit
-def _copy_tail(
+def _write_tail(
     dst,
     src,
     offsets,
@@ -325,13 +303,36 @@ def _copy_tail(
     ORDER: tl.constexpr,
     order,
 ):
-    """As ``_zero_tail``, copying the rows after the last sequence of a [tokens, WIDTH] view ``src`` into ``dst``."""
+    """For the programs of the grid's last sequence index (one past the batch's): writes the rows after the
+    last sequence (``offsets[-1]:tokens``, the capacity's padding) of a [tokens, WIDTH] view ``dst``, ``ROWS``
+    rows per step, the programs of one head taking turns in rank order: zeros where ``src`` is None, else the
+    same rows of the [tokens, WIDTH] view ``src``."""
     seq, _, rank = _program(ORDER, order)
     step = _ranks(ORDER) * ROWS
     for row in range(tl.load(offsets + seq).to(tl.int32) + rank * ROWS, tokens, step):
         rows = (row + tl.arange(0, ROWS)).to(tl.int64)
         ok = rows < tokens
-        _store_rows(dst, rows, ok, dst_stride, _rows(src, rows, ok, src_stride, WIDTH, BLOCK), WIDTH, BLOCK)
+        if src is None:
+            values = tl.zeros([ROWS, BLOCK], tl.float32)
+        else:
+            values = _rows(src, rows, ok, src_stride, WIDTH, BLOCK)
+        _store_rows(dst, rows, ok, dst_stride, values, WIDTH, BLOCK)
+
+
+@triton.jit
+def _zero_tail(
+    base,
+    offsets,
+    tokens,
+    stride,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ORDER: tl.constexpr,
+    order,
+):
+    """``_write_tail`` of zeros into ``base``."""
+    _write_tail(base, None, offsets, tokens, stride, 0, WIDTH, BLOCK, ROWS, ORDER, order)
 
 
 @triton.jit
@@ -890,7 +891,7 @@ def _hstu_bwd_dkdv(
             )
         _zero_tail(dV + head * stride_dvh, offsets, tokens, stride_dvn, HIDDEN_DIM, BLOCK_D, BLOCK_N, ORDER, order)
         if U_GRAD is not None:
-            _copy_tail(
+            _write_tail(
                 dU + head * stride_duh,
                 U_GRAD + head * stride_guh,
                 offsets,
