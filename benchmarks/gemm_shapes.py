@@ -47,16 +47,22 @@ def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, fl
     return rows
 
 
+def widen(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``x`` with ``count`` columns more: a column of ones, then zeros (``_BiasInProduct``'s input)."""
+    extra = torch.zeros(x.shape[0], count, dtype=x.dtype, device=x.device)
+    extra[:, 0] = 1
+    return torch.cat([x, extra], dim=1)
+
+
 def bias_products(tokens: int, width: int, out: int, columns: list[int], reps: int) -> list[tuple[str, float]]:
     """(name, us per call) of a linear map's bias gradient: the column sum of the output's gradient, and the weight
     gradient's product with the input widened by ``c`` columns (ones, then zeros) for each ``c`` of ``columns``."""
     dtype, device = torch.bfloat16, "cuda"
     dy = torch.randn(tokens, out, dtype=dtype, device=device)
     rows = [("bias gradient (column sum of dy)", time_ms(lambda: dy.sum(0), reps) * 1e3)]
+    x = torch.randn(tokens, width, dtype=dtype, device=device)
     for count in columns:
-        widened = torch.zeros(tokens, width + count, dtype=dtype, device=device)
-        widened[:, :width].normal_()
-        widened[:, width] = 1
+        widened = widen(x, count)
         rows.append((f"weight and bias gradients, +{count} columns", time_ms(lambda: dy.t() @ widened, reps) * 1e3))
     return rows
 
@@ -66,16 +72,14 @@ def split_products(tokens: int, width: int, out: int, u_width: int, reps: int) -
     the bias) as one map of ``out`` columns and as two maps of ``u_width`` and ``out - u_width`` columns."""
     dtype, device = torch.bfloat16, "cuda"
     x = torch.randn(tokens, width, dtype=dtype, device=device)
-    widened = torch.zeros(tokens, width + 16, dtype=dtype, device=device)
-    widened[:, :width] = x
-    widened[:, width] = 1
+    widened = widen(x, 16)
     weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
     bias = torch.randn(out, dtype=dtype, device=device)
     dy = torch.randn(tokens, out, dtype=dtype, device=device)
     w_u, w_rest = weight[:u_width], weight[u_width:]
     b_u, b_rest = bias[:u_width], bias[u_width:]
     dy_u, dy_rest = dy[:, :u_width].contiguous(), dy[:, u_width:].contiguous()
-    dw = torch.empty(out, width + 16, dtype=dtype, device=device)
+    dw = torch.empty(out, widened.shape[1], dtype=dtype, device=device)
     calls = {
         "one map: forward": lambda: torch.addmm(bias, x, weight.t()),
         "one map: input gradient": lambda: dy @ weight,
