@@ -262,6 +262,16 @@ def cycled(batches, total):
     return (batches * (total // len(batches) + 1))[:total]
 
 
+def windowed(batches, warmup, repeats, warm_passes=0):
+    """The user's path's batches and its timed windows' start: ``batches[:warmup]`` once, then the measured
+    ones, ``batches[warmup:]``, for ``warm_passes`` untimed windows, ``repeats`` timed ones and the profiled
+    one, so that every window runs the batches that ``measure`` times, in its order (``cycled`` over all of
+    them would bring warm-up batches into the later windows). Returns the batches and the steps before the
+    first timed window."""
+    steps = len(batches) - warmup
+    return batches[:warmup] + batches[warmup:] * (warm_passes + repeats + 1), warmup + warm_passes * steps
+
+
 def user_path_trainer(strategy, device, total, callbacks) -> pl.Trainer:
     """The Trainer of the user's-path rows (one device per rank, bf16 on CUDA, ``total`` steps, nothing
     but the step: no logger, checkpoint, progress bar or validation); also ``profile_user_path.py``'s."""
@@ -300,7 +310,9 @@ def measure_trainer(
 ):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
     ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop). ``warm_passes``: as ``measure``'s, windows
-    of ``steps`` steps run before timing, on the cycled batches."""
+    of ``steps`` steps run before timing, on the measured batches (``windowed``)."""
+    if len(batches) - warmup != steps:
+        raise ValueError(f"a window of {steps} steps must run the {len(batches) - warmup} batches after warm-up")
     torch.manual_seed(0)
     model = model_class(
         **model_sizes(sizes, attention),
@@ -309,12 +321,11 @@ def measure_trainer(
         balance_batches=balance,
         on_nonfinite_loss=nonfinite,
     )
-    warmup += warm_passes * steps
+    data, warmup = windowed(batches, warmup, repeats, warm_passes)
     timer, recorder = _StepTimer(warmup, steps, repeats, device), _StepRecords(warmup)
-    total = warmup + steps * (repeats + 1)
-    trainer = user_path_trainer(strategy, device, total, [timer, recorder])
+    trainer = user_path_trainer(strategy, device, len(data), [timer, recorder])
     _reset_peak(device)
-    trainer.fit(model, _Batches(cycled(batches, total), num_items))
+    trainer.fit(model, _Batches(data, num_items))
     times = timer.times[:repeats]
     return {
         "mode": mode,

@@ -1,0 +1,41 @@
+"""The benchmark's user's-path rows time the batches its Engine and plain-loop rows time: each timed window of
+``Trainer.fit`` runs the measured batches in their order, never the warm-up ones, so that the difference
+between a user's-path row and an Engine row is the path's cost, not the batches' lengths."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from hstu_pipelines import _StepTimer, measure_trainer, windowed  # noqa: E402
+
+from lightning_hstu import HSTUPipelineStrategy  # noqa: E402
+
+
+def _windows(data, timer, steps):
+    """The windows the timer times and profiles: from each of its edges, ``steps`` batches."""
+    starts = [index for index in range(len(data)) if timer._edge(index)]
+    return [data[start : start + steps] for start in starts]
+
+
+@pytest.mark.parametrize("warm_passes", [0, 3])
+def test_every_timed_window_runs_the_measured_batches_in_order(warm_passes):
+    warmup, steps, repeats = 5, 10, 3
+    batches = [object() for _ in range(warmup + steps)]  # distinct batches, compared by identity
+    data, timed_from = windowed(batches, warmup, repeats, warm_passes)
+    timer = _StepTimer(timed_from, steps, repeats, torch.device("cpu"))
+    windows = _windows(data, timer, steps)
+    assert len(windows) == repeats + 1  # the timed ones and the profiled one, every one whole
+    for window in windows:
+        assert [id(b) for b in window] == [id(b) for b in batches[warmup:]]
+    assert data[:warmup] == batches[:warmup] and timed_from == warmup + warm_passes * steps
+    assert data[warmup:timed_from] == batches[warmup:] * warm_passes  # untimed windows, as measure's passes
+
+
+def test_a_window_that_is_not_the_measured_batches_is_refused():
+    batches = [object() for _ in range(12)]
+    strategy = HSTUPipelineStrategy("legacy_none")
+    with pytest.raises(ValueError, match="a window of 10 steps must run the 7 batches after warm-up"):
+        measure_trainer("legacy_none", strategy, {}, batches, 5, 10, 3, torch.device("cpu"), 100, "auto")
