@@ -1,7 +1,9 @@
-"""The benchmark's user's-path rows time the batches its Engine and plain-loop rows time: each timed window of
-``Trainer.fit`` runs the measured batches in their order, never the warm-up ones, so that the difference
-between a user's-path row and an Engine row is the path's cost, not the batches' lengths."""
+"""``benchmarks/hstu_pipelines.py``, the benchmark BENCHMARKS.md's rows come from: its user's-path rows time the
+batches its Engine and plain-loop rows time (each timed window of ``Trainer.fit`` runs the measured batches in
+their order, never the warm-up ones, so that the difference between a user's-path row and an Engine row is the
+path's cost, not the batches' lengths), and its CPU run times every mode."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +41,22 @@ def test_a_window_that_is_not_the_measured_batches_is_refused():
     strategy = HSTUPipelineStrategy("legacy_none")
     with pytest.raises(ValueError, match="a window of 10 steps must run the 7 batches after warm-up"):
         measure_trainer("legacy_none", strategy, {}, batches, 5, 10, 3, torch.device("cpu"), 100, "auto")
+
+
+def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
+    """``hstu_pipelines.py --small``, the CPU run of the benchmark's commands: one row per mode (the plain loop,
+    each preset through Engine and through the Trainer, the loss check, Lightning's loop, TorchRec's
+    pipeline), each with a step time."""
+    script = Path(__file__).parents[1] / "benchmarks" / "hstu_pipelines.py"
+    args = ["--small", "--workloads", "light", "--presets", "legacy_none", "default_d6", "--steps", "3"]
+    args += ["--warmup", "2", "--repeats", "2"]
+    run = subprocess.run(
+        [sys.executable, str(script), *args], cwd=script.parent, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    times = {line[:25].strip(): float(line[25:].split()[0]) for line in table}
+    fastest = min(("legacy_none", "default_d6"), key=lambda preset: times[f"{preset} (Engine)"])  # checks the loss
+    modes = ["plain loop", "legacy_none (Engine)", "default_d6 (Engine)", "legacy_none", "default_d6"]
+    assert list(times) == [*modes, f"{fastest}, stop", "Lightning loop", "TrainPipelineSparseDist"]
+    assert all(ms > 0 for ms in times.values())
