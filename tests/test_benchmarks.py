@@ -3,12 +3,13 @@ batches its Engine and plain-loop rows time (each timed window of ``Trainer.fit`
 their order, never the warm-up ones, so that the difference between a user's-path row and an Engine row is the
 path's cost, not the batches' lengths), and its CPU run times every mode."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ranks import run_script
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from hstu_pipelines import _StepTimer, measure_trainer, windowed  # noqa: E402
@@ -50,9 +51,7 @@ def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
     script = Path(__file__).parents[1] / "benchmarks" / "hstu_pipelines.py"
     args = ["--small", "--workloads", "light", "--presets", "legacy_none", "default_d6", "--steps", "3"]
     args += ["--warmup", "2", "--repeats", "2"]
-    run = subprocess.run(
-        [sys.executable, str(script), *args], cwd=script.parent, capture_output=True, text=True, timeout=300
-    )
+    run = run_script(script, script.parent, *args, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     table = run.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
     times = {line[:25].strip(): float(line[25:].split()[0]) for line in table}
