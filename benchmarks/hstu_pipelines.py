@@ -298,7 +298,6 @@ def measure_trainer(
     sizes,
     batches,
     warmup,
-    steps,
     repeats,
     device,
     num_items,
@@ -309,10 +308,9 @@ def measure_trainer(
     warm_passes=0,
 ):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
-    ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop). ``warm_passes``: as ``measure``'s, windows
-    of ``steps`` steps run before timing, on the measured batches (``windowed``)."""
-    if len(batches) - warmup != steps:
-        raise ValueError(f"a window of {steps} steps must run the {len(batches) - warmup} batches after warm-up")
+    ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop), timed as ``measure`` times: windows of the
+    batches after ``warmup`` (``windowed``). ``warm_passes``: as ``measure``'s, windows run before timing."""
+    steps = len(batches) - warmup
     torch.manual_seed(0)
     model = model_class(
         **model_sizes(sizes, attention),
@@ -493,7 +491,6 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             sizes,
             batches,
             args.warmup,
-            args.steps,
             args.repeats,
             device,
             num_items,
