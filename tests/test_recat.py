@@ -21,6 +21,7 @@ def _memoized() -> recat._Memoized:
     recat.memoize()
     memoized = dist_data._get_recat
     memoized.built.clear()
+    memoized._copies.clear()
     return memoized
 
 
