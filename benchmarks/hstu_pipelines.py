@@ -208,12 +208,14 @@ class _Batches(pl.LightningDataModule):
 
 
 class _StepTimer(pl.Callback):
-    """Times windows of ``steps`` steps after ``warmup`` (GPU synchronised at the window edges only) and
-    profiles the kernels of the window after the last timed one."""
+    """Times windows of ``steps`` steps after ``warmup`` (GPU synchronised at the window edges only), counts
+    the caching allocator's calls into CUDA over the timed windows (per step, as ``measure`` does) and profiles
+    the kernels of the window after the last timed one."""
 
     def __init__(self, warmup, steps, repeats, device):
         self.warmup, self.steps, self.repeats, self.device = warmup, steps, repeats, device
         self.times, self.kernel_ms, self._start, self._profiler = [], None, None, None
+        self.allocator, self._allocator_before = {}, None
 
     def _edge(self, batch_idx):
         done = batch_idx - self.warmup
@@ -224,6 +226,11 @@ class _StepTimer(pl.Callback):
             _sync(self.device)
             if self._start is not None:
                 self.times.append((time.perf_counter() - self._start) * 1e3 / self.steps)
+            if self._start is None:
+                self._allocator_before = _allocator_calls(self.device)
+            elif len(self.times) == self.repeats and not self.allocator:
+                after, before = _allocator_calls(self.device), self._allocator_before
+                self.allocator = {key: (after[key] - before[key]) / (self.repeats * self.steps) for key in after}
             if len(self.times) == self.repeats and self._profiler is None and self.device.type == "cuda":
                 self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self._profiler.__enter__()
@@ -326,6 +333,7 @@ def measure_trainer(
     trainer.fit(model, _Batches(data, num_items))
     times = timer.times[:repeats]
     return {
+        "allocator": timer.allocator,
         "mode": mode,
         "ms": statistics.median(times),
         "best": min(times),

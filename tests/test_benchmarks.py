@@ -12,6 +12,7 @@ import torch
 from ranks import run_script
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import hstu_pipelines  # noqa: E402
 from hstu_pipelines import _StepTimer, windowed  # noqa: E402
 
 
@@ -33,6 +34,25 @@ def test_every_timed_window_runs_the_measured_batches_in_order(warm_passes):
         assert [id(b) for b in window] == [id(b) for b in batches[warmup:]]
     assert data[:warmup] == batches[:warmup] and timed_from == warmup + warm_passes * steps
     assert data[warmup:timed_from] == batches[warmup:] * warm_passes  # untimed windows, as measure's passes
+
+
+def test_the_allocator_calls_of_a_users_path_row_are_those_of_its_timed_windows(monkeypatch):
+    """The caching allocator's calls per step that a user's-path row reports (as the Engine rows report theirs)
+    are counted over its timed windows only: not over warm-up, untimed or profiled steps."""
+    warmup, steps, repeats, warm_passes = 5, 10, 3, 3
+    data, timed_from = windowed(list(range(warmup + steps)), warmup, repeats, warm_passes)
+    calls = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0}
+    monkeypatch.setattr(hstu_pipelines, "_allocator_calls", lambda device: dict(calls))
+    timer = _StepTimer(timed_from, steps, repeats, torch.device("cpu"))
+    timed_end = timed_from + repeats * steps
+    for batch_idx in range(len(data)):
+        timer.on_train_batch_start(None, None, None, batch_idx)
+        timed = timed_from <= batch_idx < timed_end
+        calls["num_device_alloc"] += 1 if timed else 7  # the step's cudaMalloc calls
+        calls["num_device_free"] += 2 if timed else 0
+        calls["num_alloc_retries"] += 0 if timed else 1
+    assert len(timer.times) == repeats
+    assert timer.allocator == {"num_device_alloc": 1.0, "num_device_free": 2.0, "num_alloc_retries": 0.0}
 
 
 def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
