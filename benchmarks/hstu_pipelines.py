@@ -229,8 +229,7 @@ class _StepTimer(pl.Callback):
             if self._start is None:
                 self._allocator_before = _allocator_calls(self.device)
             elif len(self.times) == self.repeats and not self.allocator:
-                after, before = _allocator_calls(self.device), self._allocator_before
-                self.allocator = {key: (after[key] - before[key]) / (self.repeats * self.steps) for key in after}
+                self.allocator = _allocator_calls_since(self._allocator_before, self.device, self.repeats * self.steps)
             if len(self.times) == self.repeats and self._profiler is None and self.device.type == "cuda":
                 self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self._profiler.__enter__()
@@ -411,8 +410,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         times.append(ms)
         records = extra if isinstance(extra, list) else records
     measured = batches[warmup:]
-    after = _allocator_calls(device)
-    allocator = {key: (after[key] - before[key]) / (repeats * len(measured)) for key in after}
+    allocator = _allocator_calls_since(before, device, repeats * len(measured))
     kernel_ms, kernels = kernels_per_step(run, measured, device)
     idle = idle_gaps(profile_trace(run, measured, device), len(measured)) if gaps and device.type == "cuda" else None
     return {
@@ -439,6 +437,12 @@ device) and its retries (every cached block freed, then cudaMalloc again)."""
 def _allocator_calls(device) -> dict:
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     return {key: stats.get(key, 0) for key in ALLOCATOR_CALLS}
+
+
+def _allocator_calls_since(before: dict, device, steps: int) -> dict:
+    """The allocator's calls per step over ``steps`` steps since ``before`` (``_allocator_calls``) was read."""
+    after = _allocator_calls(device)
+    return {key: (after[key] - before[key]) / steps for key in after}
 
 
 def _reset_peak(device):
