@@ -59,7 +59,7 @@ class _Memoized:
         device = None if device is None else torch.device(device)
         key = (local_split, num_splits, stagger, device, _key_sizes(batch_size_per_rank))
         if key in self.built:
-            self._after_copy(key)
+            self._after_copy(key, device)
             return self.built[key]
         recat, copied = self._build(local_split, num_splits, stagger, device, batch_size_per_rank)
         if len(self.built) < MAX_ENTRIES:
@@ -82,7 +82,7 @@ class _Memoized:
         copied.record(torch.cuda.current_stream(device))
         return recat, copied
 
-    def _after_copy(self, key: tuple) -> None:
+    def _after_copy(self, key: tuple, device: torch.device) -> None:
         """A kept index read from another stream than its copy's: that stream waits for the copy (on the
         device) until the copy is known to have run."""
         copied = self._copies.get(key)
@@ -91,7 +91,7 @@ class _Memoized:
         if copied.query():
             self._copies.pop(key, None)
         else:
-            torch.cuda.current_stream(key[3]).wait_event(copied)
+            torch.cuda.current_stream(device).wait_event(copied)
 
 
 def memoize() -> None:
