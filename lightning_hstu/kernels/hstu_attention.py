@@ -2025,12 +2025,10 @@ def _batch_plan(
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: dict) -> tuple[int, int, int]:
     """The ranks (blocks of the longest sequence), the sequences and one more (the rows after the last
     sequence), and the heads, laid out as ``_program`` reads them for the config's ``ORDER``."""
-    ranks, sequences = triton.cdiv(max(max_len, 1), block), len(offsets)
-    return {
-        "index": (ranks, sequences, heads),
-        "sequences": (ranks, heads, sequences),
-        "blocks": (heads, sequences, ranks),
-    }[config["ORDER"]]
+    ranks, sequences, order = (max(max_len, 1) + block - 1) // block, offsets.shape[0], config["ORDER"]
+    if order == "index":
+        return ranks, sequences, heads
+    return (ranks, heads, sequences) if order == "sequences" else (heads, sequences, ranks)
 
 
 def _ordered(configs: dict) -> bool:
@@ -2366,7 +2364,8 @@ def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, 
     """U, V, Q and K: views ``[N, heads, dim]`` of the projection's ``[N, heads * (2 hidden + 2 attention)]``;
     without ``with_u`` V, Q and K of ``[N, heads * (hidden + 2 attention)]`` (the projection less U)."""
     dims = [hidden_dim] * with_u + [hidden_dim, attention_dim, attention_dim]
-    return [part.unflatten(-1, (heads, dim)) for part, dim in zip(uvqk.split([heads * d for d in dims], dim=-1), dims)]
+    rows = uvqk.shape[0]  # views by the tensor methods that are not Python (``split`` and ``unflatten`` are)
+    return [part.view(rows, heads, dim) for part, dim in zip(uvqk.split_with_sizes([heads * d for d in dims], -1), dims)]
 
 
 def _grads(*tensors: torch.Tensor) -> bool:
