@@ -2364,8 +2364,8 @@ def _split(uvqk: torch.Tensor, heads: int, attention_dim: int, hidden_dim: int, 
     """U, V, Q and K: views ``[N, heads, dim]`` of the projection's ``[N, heads * (2 hidden + 2 attention)]``;
     without ``with_u`` V, Q and K of ``[N, heads * (hidden + 2 attention)]`` (the projection less U)."""
     dims = [hidden_dim] * with_u + [hidden_dim, attention_dim, attention_dim]
-    rows = uvqk.shape[0]  # views by the tensor methods that are not Python (``split`` and ``unflatten`` are)
-    return [part.view(rows, heads, dim) for part, dim in zip(uvqk.split_with_sizes([heads * d for d in dims], -1), dims)]
+    rows, parts = uvqk.shape[0], uvqk.split_with_sizes([heads * d for d in dims], -1)
+    return [part.view(rows, heads, dim) for part, dim in zip(parts, dims)]  # not Tensor.split and .unflatten: Python
 
 
 def _grads(*tensors: torch.Tensor) -> bool:
