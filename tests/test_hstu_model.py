@@ -426,6 +426,8 @@ def test_bad_recipe_arguments_are_refused_with_the_valid_choices():
         HSTURecommender(**SMALL_MODEL, ranking_weight=-1)
     with pytest.raises(ValueError, match="unknown lr_schedule 'linear'; valid: constant, cosine"):
         HSTURecommender(**SMALL_MODEL, lr_schedule="linear")
+    with pytest.raises(ValueError, match="unknown input_dist_group 'shared'; valid: world, own"):
+        HSTURecommender(**SMALL_MODEL, input_dist_group="shared")
     with pytest.raises(ValueError, match="length_buckets must be 0 .plain shuffle. or a number of batches per pool"):
         small_data(length_buckets=-2)
 
@@ -672,3 +674,12 @@ def test_a_fit_resumed_mid_epoch_goes_on_along_the_same_cosine(tmp_path):
     _, trainer, _ = fit_hstu(epochs=2, callbacks=[resumed], model_kwargs=schedule, ckpt_path=tmp_path / "step=7.ckpt")
     assert trainer.global_step == len(whole.lrs) == 24  # two epochs of 12 batches
     assert resumed.lrs == pytest.approx(whole.lrs[7:], rel=1e-6)
+
+
+def test_input_all_to_alls_on_their_own_group_need_no_group_on_one_rank():
+    """One rank: no all-to-all leaves it, so input_dist_group="own" makes no process group and trains."""
+    model, trainer, _ = fit_hstu(
+        epochs=1, model_kwargs=dict(input_dist_group="own"), limit_train_batches=2, limit_val_batches=0
+    )
+    assert model.embeddings.input_group is None
+    assert trainer.global_step == 2

@@ -84,3 +84,25 @@ def test_predict_on_two_ranks_runs_on_equal_shares_and_refuses_unequal_ones(pair
             assert rank.get("error", "").startswith(
                 "the predict dataloader 0 gives the ranks different numbers of batches (rank 0: 3, rank 1: 2)"
             ), rank
+
+
+def test_input_all_to_alls_on_a_group_of_their_own_train_to_the_steps_groups_weights(tmp_path):
+    """input_dist_group="own" on two ranks: every input all-to-all of the sharded tables runs on the group of
+    its own (TorchRec's default, the step's group, for the run without it), and the dense weights and each
+    rank's table shards come out bitwise those of the run on the step's group, also under full_split_d6 with
+    random delays in the tasks (the input distribution on its own thread, steps ahead of the compute)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = ["legacy_none", "legacy_none+inputgroup", "full_split_d6+inputgroup+delays"]
+    result = run_script(SCRIPT.parent / "hstu_presets.py", out, out, 6, *runs, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = {run: [torch.load(out / f"{run}.rank{r}.pt", weights_only=False) for r in (0, 1)] for run in runs}
+    for rank in saved["legacy_none"]:
+        assert rank["input_groups"] and set(rank["input_groups"]) == {"world"}
+    for run in runs[1:]:
+        for rank, expected in zip(saved[run], saved["legacy_none"]):
+            assert rank["global_step"] == 6
+            assert rank["input_groups"] and set(rank["input_groups"]) == {"own"}, run
+            for part in ("dense", "sparse"):
+                for name, value in expected[part].items():
+                    assert torch.equal(rank[part][name], value), f"{run}: {part} {name}"

@@ -3,7 +3,8 @@ results as the single-threaded legacy_none, as Lightning's own DDP and as the ru
 
 - the HSTU stack (TorchRec tables sharded over both GPUs, the balanced shuffler, megatron-core gradients,
   the fused attention; graph capture on and off) trains under every preset to legacy_none's dense weights
-  and table shards, also with random delays injected into the tasks on both ranks; with the engine's
+  and table shards, also with random delays injected into the tasks on both ranks, and with the tables'
+  input all-to-alls on a process group of their own; with the engine's
   cross-stream event waits switched off, the delayed runs differ (the delays can make the test fail);
 - an ordinary LightningModule trains under every preset like Lightning's own DDP on the two GPUs;
 - the collective inventory records every collective of a step with its NCCL process group and CUDA
@@ -130,6 +131,9 @@ def assert_replicas_equal(ranks: list[dict], key: str) -> None:
 
 # ----- 1. the HSTU stack under every preset, legacy_none's weights -------------------------------------------
 
+INPUT_GROUP_PRESETS = ("legacy_none", "full_split_d6")
+"""Presets run with the tables' input all-to-alls on a process group of their own (``input_dist_group="own"``)."""
+
 MUTATED = ("default_d6", "full_split_d6")
 """Presets whose delayed runs are repeated with the event waits off. Under them start_input_dist (data_dist
 stream) reads the shuffled batch in the step in which finish_shuffle (memcpy stream) made it, with no host
@@ -140,6 +144,7 @@ def preset_runs() -> list[str]:
     """The runs of one launch (see hstu_presets.py), in the order they run: a run that fails stops the launch
     and leaves the results of the runs before it, so the eager runs come first and the graph captures last."""
     runs = ["legacy_none", *PRESET_NAMES[1:], *(f"{preset}+delays" for preset in PRESET_NAMES)]
+    runs += [f"{preset}+inputgroup+delays" for preset in INPUT_GROUP_PRESETS]
     if GPU:
         runs += [f"{preset}+delays+nowaits" for preset in MUTATED]
         runs += ["legacy_none+graphs", *(f"{preset}+graphs+delays" for preset in PRESET_NAMES)]
@@ -168,6 +173,16 @@ def test_every_preset_trains_the_hstu_stack_to_legacy_nones_weights(preset, hstu
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 def test_random_delays_on_both_ranks_change_no_weight(preset, hstu_runs):
     assert_trains_like(hstu_runs[f"{preset}+delays"], hstu_runs["legacy_none"])
+
+
+@pytest.mark.parametrize("preset", INPUT_GROUP_PRESETS)
+def test_input_all_to_alls_on_a_group_of_their_own_train_to_legacy_nones_weights(preset, hstu_runs):
+    """input_dist_group="own": the input all-to-alls on their own NCCL group (their own stream), issued by the
+    data_dist task steps ahead of the compute thread's collectives, with random delays on both ranks."""
+    runs = hstu_runs[f"{preset}+inputgroup+delays"]
+    assert_trains_like(runs, hstu_runs["legacy_none"])
+    for rank in runs:
+        assert rank["input_groups"] and set(rank["input_groups"]) == {"own"}
 
 
 @gpu_only

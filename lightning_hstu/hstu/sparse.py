@@ -4,6 +4,7 @@ sharded module's own input-dist / compute-and-output-dist API so that each phase
 No FX tracing of the user's model: the module calls these three methods from its task hooks.
 """
 
+import datetime
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -12,8 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torchrec
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -32,6 +35,16 @@ backward (where the tables' fused optimizer applied the batch) and the dense opt
 ``ShardedEmbeddings`` sets it; ``HSTUPipelineStrategy`` refuses to train on from such a checkpoint (the batch
 would be applied to the tables twice)."""
 
+INPUT_DIST_GROUPS = ("world", "own")
+"""The process group of the tables' input all-to-alls (``ShardedEmbeddings(input_dist_group=...)``): "world",
+TorchRec's, the step's group, which also runs the output all-to-alls and megatron-core's gradient all-reduce;
+"own", a group of the same ranks for them alone. NCCL runs a group's collectives one after another on one
+stream, in the order they were issued: on the step's group a batch's input all-to-alls, issued steps ahead by
+the data_dist task, queue behind the collectives the compute thread issued before them, and
+``wait_input_dist``'s host wait for the splits waits for those too; on a group of their own they wait for
+each other only. The same values either way: every rank issues the group's collectives in batch order, from
+one task (the balanced shuffler's all-gathers have a group of their own for the same reason)."""
+
 
 @dataclass
 class InputDist:
@@ -47,7 +60,9 @@ class ShardedEmbeddings(torch.nn.Module):
 
     ``sharding_type`` None: row-wise over several ranks; on one rank, table-wise, which keeps the same one
     shard per table (the same state dict) and skips the row-wise input distribution's bucketize of every
-    id by its row (fbgemm's kernel and its Python, 5% of a host-bound step's host time on an H200)."""
+    id by its row (fbgemm's kernel and its Python, 5% of a host-bound step's host time on an H200).
+    ``input_dist_group``: where the input all-to-alls run (``INPUT_DIST_GROUPS``); ``timeout``: that group's
+    collectives' (the strategy's ``process_group_timeout``; None: torch's default)."""
 
     def __init__(
         self,
@@ -58,8 +73,12 @@ class ShardedEmbeddings(torch.nn.Module):
         optimizer_kwargs: dict | None = None,
         sharding_type: ShardingType | None = None,
         cache_load_factor: float | None = None,
+        input_dist_group: str = "world",
+        timeout: datetime.timedelta | None = None,
     ):
         super().__init__()
+        if input_dist_group not in INPUT_DIST_GROUPS:
+            raise ValueError(f"unknown input_dist_group {input_dist_group!r}; valid: {', '.join(INPUT_DIST_GROUPS)}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShardedEmbeddings needs torch.distributed initialised (the strategy does it)")
         if cache_load_factor is not None and (device.type != "cuda" or not 0 < cache_load_factor <= 1):
@@ -90,6 +109,8 @@ class ShardedEmbeddings(torch.nn.Module):
             init_data_parallel=False,
         )  # dense gradients are megatron-core's business, not torch DDP's
         self._register_load_state_dict_pre_hook(_unwrapped_keys_to_wrapped)
+        self.input_group = _own_input_group(self.sharded, timeout) if input_dist_group == "own" else None
+        """The input all-to-alls' own process group (``input_dist_group="own"`` on several ranks), else None."""
         self.rows = {feature: t.num_embeddings for t in tables for feature in t.feature_names}
         """Each feature's table size: ids must be in ``0 .. rows - 1``."""
         self._prefetched = 0  # batches prefetched whose lookup has not run yet
@@ -98,6 +119,10 @@ class ShardedEmbeddings(torch.nn.Module):
     @property
     def sharded(self) -> Any:
         return self.model_parallel.module
+
+    def input_groups(self) -> list[Any]:
+        """The process group of each of the input distributions' all-to-alls (TorchRec's ``KJTAllToAll``)."""
+        return [alltoall._pg for alltoall in _input_alltoalls(self.sharded)]
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         """Each table's shard on this rank (views of the live weights: copy_ into them restores them)."""
@@ -159,6 +184,39 @@ class ShardedEmbeddings(torch.nn.Module):
             with self._prefetched_lock:
                 self._prefetched -= 1
         return self.sharded.compute_and_output_dist(waited.context, waited.pending).wait()
+
+
+def _input_alltoalls(sharded: Any) -> list[KJTAllToAll]:
+    return [m for input_dist in sharded._input_dists for m in input_dist.modules() if isinstance(m, KJTAllToAll)]
+
+
+def _own_input_group(sharded: Any, timeout: datetime.timedelta | None) -> Any:
+    """A process group of every rank, given to each ``KJTAllToAll`` of the sharded collection's input
+    distributions (``INPUT_DIST_GROUPS``) as TorchRec creates them, at the first batch; None on one rank,
+    where no all-to-all leaves the rank. Called on every rank in the same order (it is a collective)."""
+    if dist.get_world_size() == 1:
+        return None
+    create = getattr(sharded, "_create_input_dist", None)
+    if create is None or not getattr(sharded, "_has_uninitialized_input_dist", False):
+        raise RuntimeError(
+            f"input_dist_group='own': TorchRec {torchrec.__version__} does not create its input distributions "
+            f"where this version looks (_create_input_dist at the first batch); use input_dist_group='world'"
+        )
+    group = dist.new_group(timeout=timeout)
+
+    def create_on_own_group(*args, **kwargs):
+        create(*args, **kwargs)
+        alltoalls = _input_alltoalls(sharded)
+        if not alltoalls or not all(isinstance(getattr(a, "_pg", None), dist.ProcessGroup) for a in alltoalls):
+            raise RuntimeError(
+                f"input_dist_group='own': TorchRec {torchrec.__version__} does not keep its input all-to-alls' "
+                f"process group where this version looks (KJTAllToAll._pg); use input_dist_group='world'"
+            )
+        for alltoall in alltoalls:
+            alltoall._pg = group
+
+    sharded._create_input_dist = create_on_own_group  # TorchRec calls it once, before the first all-to-all
+    return group
 
 
 def _topology(world: int, compute_device: str) -> Topology:

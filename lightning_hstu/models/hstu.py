@@ -32,7 +32,7 @@ from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedAdamW, GraphedMethod
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
-from ..hstu.sparse import TABLES_AHEAD, ShardedEmbeddings
+from ..hstu.sparse import INPUT_DIST_GROUPS, TABLES_AHEAD, ShardedEmbeddings
 from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
@@ -98,10 +98,11 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     ``position_embedding``, ``scale_inputs`` and ``input_dropout`` (``HSTUConfig``); ``history_logit``, a
     learned logit for the items already in the history (``HSTUObjectives``); AdamW's ``lr``,
     ``weight_decay`` and ``betas`` and the ``lr_schedule`` (``LR_SCHEDULES``) for the dense part,
-    ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``attention`` (``ATTENTION``),
-    ``compile_layers`` (``HSTUConfig``: the layers' token-wise parts through ``torch.compile`` where the fused
-    attention runs on CUDA) and ``autocast_residual`` (``HSTUConfig``: under autocast the residual stream in
-    its dtype; False keeps it in float32). Evaluated by ``RankingEvaluation``."""
+    ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``input_dist_group`` (``INPUT_DIST_GROUPS``:
+    the tables' input all-to-alls on the step's process group, or on one of their own), ``attention``
+    (``ATTENTION``), ``compile_layers`` (``HSTUConfig``: the layers' token-wise parts through ``torch.compile``
+    where the fused attention runs on CUDA) and ``autocast_residual`` (``HSTUConfig``: under autocast the
+    residual stream in its dtype; False keeps it in float32). Evaluated by ``RankingEvaluation``."""
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         sparse_lr: float = 0.05,
         sparse_optimizer: str = "adagrad",
         balance_batches: bool = True,
+        input_dist_group: str = "world",
         on_nonfinite_loss: str = "raise",
         cache_load_factor: float | None = None,
         num_items: int | None = None,
@@ -142,6 +144,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if input_dist_group not in INPUT_DIST_GROUPS:
+            raise ValueError(f"unknown input_dist_group {input_dist_group!r}; valid: {', '.join(INPUT_DIST_GROUPS)}")
         if on_nonfinite_loss not in NONFINITE:
             raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: {', '.join(NONFINITE)}")
         if ranking_weight < 0:
@@ -225,14 +229,16 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         device = self.trainer.strategy.root_device
         if self.objectives.fused(device):
             self._check_length("the fused attention kernel sizes its grid by")
+        timeout = getattr(self.trainer.strategy, "process_group_timeout", None)
         self.embeddings = ShardedEmbeddings(
             embedding_tables(hp.embedding_dim, num_items, num_users, hp.num_actions or data.num_actions),
             device,
             optimizer=SPARSE_OPTIMIZERS[hp.sparse_optimizer],
             optimizer_kwargs={"lr": hp.sparse_lr},
             cache_load_factor=hp.cache_load_factor,
+            input_dist_group=hp.input_dist_group,
+            timeout=timeout,
         )
-        timeout = getattr(self.trainer.strategy, "process_group_timeout", None)
         self.dense_grads = MegatronDenseGrads(self.objectives.to(device), timeout=timeout)
         self.shuffler = BalancedShuffler(
             self.trainer.datamodule.batch_size,

@@ -9,10 +9,12 @@ A RUN is a preset followed by options joined with "+", e.g. ``full_split_d6+grap
   GPU also on the tasks' streams, with the ids handed to other streams written late);
 - ``graphs``: capture_graphs=True with the padded attention (one static shape, captured after 3 steps);
 - ``nowaits``: the engine's cross-stream CUDA event waits switched off (the host waits stay), to show that
-  the delays make a missing wait change the weights.
+  the delays make a missing wait change the weights;
+- ``inputgroup``: the tables' input all-to-alls on a process group of their own (``input_dist_group="own"``).
 
 After each run every rank saves its dense weights, its shards of the embedding tables and how the graphs
-were used to OUT_DIR/<RUN>.rank<R>.pt, so that the runs before a failing one are still there.
+were used and the process group of each input all-to-all ("own", "world" or "other") to OUT_DIR/<RUN>.rank<R>.pt,
+so that the runs before a failing one are still there.
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
@@ -34,7 +37,7 @@ from delayed_hstu import LateOutputs  # noqa: E402
 from lightning_runs import QUIET, end_process_groups  # noqa: E402
 from small_hstu import model_and_data  # noqa: E402
 
-OPTIONS = ("delays", "graphs", "nowaits")
+OPTIONS = ("delays", "graphs", "nowaits", "inputgroup")
 
 
 class GraphUse(Callback):
@@ -68,7 +71,11 @@ def train(run: str, steps: int, accelerator: str, out_dir: str) -> None:
     model_kwargs, data = model_and_data(accelerator)
     pl.seed_everything(0, verbose=False)
     model_cls = LateOutputs if "delays" in options else HSTURecommender
-    model = model_cls(**model_kwargs, attention="padded" if "graphs" in options else "auto")
+    model = model_cls(
+        **model_kwargs,
+        attention="padded" if "graphs" in options else "auto",
+        input_dist_group="own" if "inputgroup" in options else "world",
+    )
     if "delays" in options:
         model.delay_seed = PRESET_NAMES.index(preset)  # a preset's runs with and without the waits: the same delays
     callbacks = [GraphUse()] if "graphs" in options else []
@@ -89,9 +96,14 @@ def train(run: str, steps: int, accelerator: str, out_dir: str) -> None:
             "dense": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()},
             "sparse": {k: v.detach().cpu() for k, v in model.embeddings.local_weights().items()},
             "graphs": callbacks[0].use if callbacks else None,
+            "input_groups": [_which(group, model.embeddings.input_group) for group in model.embeddings.input_groups()],
         },
         f"{out_dir}/{run}.rank{trainer.global_rank}.pt",
     )
+
+
+def _which(group, own) -> str:
+    return "own" if own is not None and group is own else "world" if group is dist.group.WORLD else "other"
 
 
 def main() -> None:
