@@ -57,7 +57,7 @@ from lightning_hstu.hstu.batch import HSTUBatch
 from lightning_hstu.hstu.dense_grads import MegatronDenseGrads
 from lightning_hstu.hstu.graphs import GraphedMethod
 from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
-from lightning_hstu.hstu.sparse import ShardedEmbeddings
+from lightning_hstu.hstu.sparse import INPUT_DIST_GROUPS, ShardedEmbeddings
 from lightning_hstu.hstu.tasks import GRAPH_TASKS
 from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_adamw, embedding_tables
 
@@ -111,6 +111,7 @@ def model_sizes(sizes, attention="auto") -> dict:
         retrieval_loss="sampled",
         compile_layers=sizes.get("compile_layers", False),
         autocast_residual=sizes.get("autocast_residual", True),
+        input_dist_group=sizes.get("input_dist_group", "world"),
     )  # 16 sampled negatives per history
 
 
@@ -119,7 +120,11 @@ def build_model(sizes, device, num_items, world=1, attention="auto", balance=Tru
     model = HSTURecommender(**model_sizes(sizes, attention), num_items=num_items, num_users=1000, num_actions=5).to(
         device
     )
-    model.embeddings = ShardedEmbeddings(embedding_tables(sizes["embedding_dim"], num_items, 1000, 5), device)
+    model.embeddings = ShardedEmbeddings(
+        embedding_tables(sizes["embedding_dim"], num_items, 1000, 5),
+        device,
+        input_dist_group=sizes.get("input_dist_group", "world"),
+    )
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(
         32,
@@ -727,6 +732,14 @@ def main():
         help="HSTURecommender(autocast_residual=...): the residual stream in autocast's dtype (the default) or "
         "in float32",
     )
+    parser.add_argument(
+        "--input-dist-group",
+        nargs="+",
+        default=["world"],
+        choices=list(INPUT_DIST_GROUPS),
+        help="HSTURecommender(input_dist_group=...): the tables' input all-to-alls on the step's process group "
+        "(TorchRec's) or on one of their own",
+    )
     args = parser.parse_args()
     excluded = {"user": args.no_user_path, "lightning": args.no_lightning, "pipeline": args.no_pipeline}
     args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
@@ -751,9 +764,16 @@ def main():
         sizes = SMALL if args.small else WORKLOADS[workload]
         batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        blocks = itertools.product(args.attention, args.shuffler, args.compile_layers, args.residual)
-        for attention, shuffler, compiled, residual in blocks:
-            sizes = {**sizes, "compile_layers": compiled == "on", "autocast_residual": residual == "autocast"}
+        blocks = itertools.product(
+            args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group
+        )
+        for attention, shuffler, compiled, residual, input_group in blocks:
+            sizes = {
+                **sizes,
+                "compile_layers": compiled == "on",
+                "autocast_residual": residual == "autocast",
+                "input_dist_group": input_group,
+            }
             say(
                 f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
                 f"per batch"
