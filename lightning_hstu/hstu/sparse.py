@@ -41,9 +41,11 @@ TorchRec's, the step's group, which also runs the output all-to-alls and megatro
 "own", a group of the same ranks for them alone. NCCL runs a group's collectives one after another on one
 stream, in the order they were issued: on the step's group a batch's input all-to-alls, issued steps ahead by
 the data_dist task, queue behind the collectives the compute thread issued before them, and
-``wait_input_dist``'s host wait for the splits waits for those too; on a group of their own they wait for
-each other only. The same values either way: every rank issues the group's collectives in batch order, from
-one task (the balanced shuffler's all-gathers have a group of their own for the same reason)."""
+``wait_input_dist``'s host wait for the splits waits for those too (and, holding the collective ticket, keeps the
+compute thread's next collective waiting); on a group of their own they wait for each other only. The same
+values either way. The engine's tickets give every collective task one launch order, the same on every rank,
+over both groups: what NCCL asks of communicators used at the same time (the balanced shuffler's all-gathers
+have a group of their own for the same reason)."""
 
 
 @dataclass
