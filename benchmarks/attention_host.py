@@ -64,8 +64,8 @@ def direct_launches(timed: _Timed, reps: int, busy) -> tuple[float, float]:
     compiled kernel's own launcher (``CompiledKernel.run``: no binding, specialization or cache lookup), the
     GPU kept busy by ``busy()``: what a launch cache could save per launch at most."""
     grid, args, kwargs, compiled = timed.last
-    parameters = inspect.signature(timed.kernel.fn).parameters
-    bound = inspect.signature(timed.kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in parameters})
+    signature = inspect.signature(timed.kernel.fn)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
     bound.apply_defaults()
     values = list(bound.arguments.values())
     grid = (*grid, 1, 1)[:3]
@@ -73,7 +73,7 @@ def direct_launches(timed: _Timed, reps: int, busy) -> tuple[float, float]:
     busy()
 
     def usual():
-        timed.kernel[grid[:3]](*args, **kwargs)
+        timed.kernel[grid](*args, **kwargs)
 
     def direct():
         compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)

@@ -123,7 +123,7 @@ def build_model(sizes, device, num_items, world=1, attention="auto", balance=Tru
     model.embeddings = ShardedEmbeddings(
         embedding_tables(sizes["embedding_dim"], num_items, 1000, 5),
         device,
-        input_dist_group=sizes.get("input_dist_group", "world"),
+        input_dist_group=model.hparams.input_dist_group,
     )
     model.dense_grads = MegatronDenseGrads(model.objectives)
     model.shuffler = BalancedShuffler(
