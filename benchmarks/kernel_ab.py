@@ -11,8 +11,10 @@ each version alike.
 Inputs as ``hstu_attention_kernel.py``'s (batch 32, floor(U^-5) lengths capped at L, 4 heads x 128 or x ``--dim``, bf16,
 time gaps up to an hour with every fifth gap 0). Without a GPU it runs in Triton's interpreter
 (``TRITON_INTERPRET=1``, fp32, ``--shapes tiny``): a smoke run, whose times mean nothing. Per version and
-shape: forward and backward ms of each round (CUDA events around one call, median of ``--reps``), and with
-``--profile`` the GPU time of each of the three kernels per call (torch.profiler over 5 calls).
+shape: forward and backward ms of each round (CUDA events around one call, median of ``--reps``; with ``--queued``
+the mean of ``--reps`` calls queued behind a sleep kernel: the GPU's time for them back to back, without the
+host's launch time, and with what kernels on two streams gain together), and with ``--profile`` the GPU time of
+each of the kernels per call (torch.profiler over 5 calls; kernels that share the GPU each take longer there).
 """
 
 import argparse
@@ -59,7 +61,11 @@ def bias_tables(max_len: int, buckets: int = 64, seed: int = 1):
     return tuple((0.5 * torch.randn(size, generator=gen)).to(DEVICE).requires_grad_() for size in (max_len, buckets))
 
 
-def time_ms(fn, reps: int = 20) -> float:
+def time_ms(fn, reps: int = 20, queued: bool = False) -> float:
+    """GPU ms per call of ``fn``: the median of ``reps`` calls, each between two CUDA events (its host time
+    shows where the GPU waits for the launches); ``queued``: the mean of ``reps`` calls queued behind a sleep
+    kernel, the GPU's own time for them back to back (concurrent streams, kernel tails and launch gaps, not
+    the host's time)."""
     if DEVICE.type != "cuda":  # the interpreter: a smoke run, the times mean nothing
         start = time.perf_counter()
         fn()
@@ -67,6 +73,8 @@ def time_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if queued:
+        return _queued_ms(fn, reps)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,6 +86,30 @@ def time_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def _queued_ms(fn, reps: int) -> float:
+    """``reps`` calls of ``fn`` launched while a sleep kernel holds the GPU (long enough for the host to queue them
+    all: ten times the host's time for them), timed between CUDA events on the GPU; the mean per call."""
+    begin = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    host_ms = (time.perf_counter() - begin) * 1e3
+    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe[0].record()
+    torch.cuda._sleep(10_000_000)
+    probe[1].record()
+    probe[1].synchronize()
+    cycles_per_ms = 10_000_000 / probe[0].elapsed_time(probe[1])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(10 * host_ms * cycles_per_ms))
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+", help="kernel source files; the first is the baseline")
@@ -87,6 +119,11 @@ def main():
     parser.add_argument("--profile", action="store_true", help="GPU time per call of each kernel")
     parser.add_argument("--dim", type=int, default=128, help="the heads' width (q, k, v); 4 heads")
     parser.add_argument("--lengths-seed", type=int, default=0, help="the batch's lengths (seed 1: 36,026 tokens)")
+    parser.add_argument(
+        "--queued",
+        action="store_true",
+        help="time the calls queued behind a sleep kernel (the GPU's time back to back, not the host's per call)",
+    )
     args = parser.parse_args()
     modules = {path: load(path) for path in args.versions}
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (Triton's interpreter)"
@@ -129,9 +166,9 @@ def main():
                 def both(module=module):
                     torch.autograd.backward(call(module), grad)
 
-                fwd = time_ms(forward, args.reps)
+                fwd = time_ms(forward, args.reps, args.queued)
                 results[path][0].append(fwd)
-                results[path][1].append(time_ms(both, args.reps) - fwd)
+                results[path][1].append(time_ms(both, args.reps, args.queued) - fwd)
         for path, (fwd, bwd) in results.items():
             print(
                 f"{path}: fwd ms "

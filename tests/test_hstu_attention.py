@@ -106,6 +106,15 @@ LAUNCHES = {  # launch settings that change how the bias gradients are summed
         "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
         "time": dict(BLOCK_M=32, BLOCK_N=16, ORDER="sequences"),
     },
+    # the two sum passes on a stream of their own, beside the dk and dq kernels (on a GPU; one stream elsewhere)
+    "bias sums beside dk and dq": {
+        "store_ds": True,
+        "store_s": True,
+        "bands": dict(BLOCK_M=16, BLOCK_N=16, CHUNK=2),
+        "dk": dict(BLOCK_M=16, BLOCK_N=32),
+        "time": dict(BLOCK_M=32, BLOCK_N=16, ORDER="sequences"),
+        "sums_beside": True,
+    },
     # the programs' order (the CPU's default: the longest blocks first; a GPU's in fp32: the batch's order);
     # in the longest sequences' order as at heads of 256 in bf16: the forward's scores read by the dk/dv kernel
     **{
@@ -344,6 +353,41 @@ def test_bf16_output_and_every_gradient_are_close_to_the_fp32_reference(case):
     expected = outputs_and_gradients(lambda: reference(*upcast, lengths_t, times, bias), *upcast, bias, grad)
     errors = relative_errors(got, expected)
     assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a second CUDA stream and a CUDA graph")
+def test_the_bias_sums_beside_dk_and_dq_run_on_their_stream_and_inside_a_captured_graph(monkeypatch):
+    """With ``sums_beside`` the two sum passes run on a stream of the device's own, forked from the caller's
+    stream after the score gradients are stored and joined before the tables' gradients are returned: the
+    gradients equal those of the same kernels on one stream, eagerly and replayed from a CUDA graph that
+    captured the forward and backward (a capture ends only where every forked stream has joined)."""
+    configs = kernel.kernel_configs
+    launch = LAUNCHES["bias sums beside dk and dq"]
+    lengths, max_len = [1, 70, 33, 64], 70
+    q, k, v, offsets, times, _ = jagged_batch(lengths, 2, 64, 64, 8, "cuda", torch.bfloat16)
+    bias = bias_tables(max_len, 8, "cuda")
+    grad = torch.randn(len(q), 2, 64, device="cuda", dtype=torch.bfloat16)
+    inputs = (q, k, v, bias.position, bias.time)
+
+    def run(beside: bool):
+        monkeypatch.setattr(kernel, "kernel_configs", lambda *a: {**configs(*a), **launch, "sums_beside": beside})
+        out = kernel.hstu_attention(q, k, v, offsets, times, bias.position, bias.time, max_len)
+        return [out, *torch.autograd.grad(out, inputs, grad)]
+
+    one_stream, beside = run(False), run(True)
+    assert kernel._SIDE_STREAMS, "no stream of the sums' own was made"
+    leaves = tuple(t.detach().clone().requires_grad_() for t in inputs)  # first used on the capture's streams
+    graphed = torch.cuda.make_graphed_callables(
+        lambda *tensors: kernel.hstu_attention(*tensors[:3], offsets, times, *tensors[3:], max_len), leaves
+    )
+    out = graphed(*leaves)
+    captured = [out, *torch.autograd.grad(out, leaves, grad)]
+    for got in (beside, captured):
+        for index, (g, e) in enumerate(zip(got, one_stream)):
+            if index < 4:  # out, dq, dk, dv: the same kernels on the same inputs, no atomics
+                torch.testing.assert_close(g, e, rtol=0, atol=0)
+            else:  # the tables' gradients: atomic adds in another order, fp32 rounding
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-5 * e.abs().max().item())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's memory statistics")

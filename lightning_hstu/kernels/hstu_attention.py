@@ -53,7 +53,9 @@ time sums stay in the program's registers (one per bucket) and are added once at
 gradients are stored and the launch settings say ``bands`` (bf16), the position sums leave the dq
 kernel for a kernel of their own, ``_hstu_bwd_position_bands``: every tile of one band (key block kb, query
 block kb + band) has the same distance at the same place, so it adds a band's stored tiles elementwise and
-rotates and sums the diagonals once per band rather than once per tile. The atomic adds'
+rotates and sums the diagonals once per band rather than once per tile. Where the launch settings say
+``sums_beside``, the time pass and the position bands run on a second stream, beside the dk and dq kernels,
+which read the same stored score gradients. The atomic adds'
 order varies from run to run: the bias tables' gradients are reproducible to fp32 rounding, not bit for bit.
 
 Every kernel starts the blocks with the most tiles first within each sequence; the launch settings' ``ORDER``
@@ -1840,7 +1842,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     from the stored score gradients, None (absent) in the dq kernel, "dk" in the dk kernel, or the launch
     settings of a pass of its own (``_hstu_bwd_time_stored``); the dq kernel then makes dq alone (heads of
     256 in bf16: a pass of its own, and dq's tiles of 64 queries, 12% faster than the two kernels with the
-    sums in dq; in the dk kernel, slower). Small tiles on the CPU (Triton's interpreter: tests only)."""
+    sums in dq; in the dk kernel, slower). ``sums_beside`` (heads of 256 in bf16, on CUDA): the time pass and the
+    position bands run on a stream of the device's own (``_Beside``) while the dk and dq kernels run on the
+    caller's, which waits for them before the tables' gradients are returned: the two memory-bound passes fill
+    what the product-bound kernels leave of the GPU (on an H100, the seed shape's backward 2% faster, queued:
+    ``kernel_ab.py --queued``). Small tiles on the CPU (Triton's interpreter: tests only)."""
     if device.type != "cuda":
         tile = dict(BLOCK_M=16, BLOCK_N=16, ORDER="blocks")
         return {"fwd": tile, "dkdv": tile, "dq": tile, "bias_grads": "dq"}
@@ -1863,6 +1869,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
             "store_s": True,  # the dk/dv kernel reads the forward's scores
             "bands": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, CHUNK=32),  # the position sums
+            "sums_beside": True,  # the time and position sums on a stream of their own, beside dk and dq
         }
     if dtype == torch.float32:
         return {
@@ -2153,6 +2160,14 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         order=state["order"],
     )
     time_sums = configs.get("time")  # None: in the dq kernel; "dk": in the dk kernel; else a pass of its own
+    beside = _sums_beside(configs, q.device)
+    with beside:
+        if isinstance(time_sums, dict):
+            _time_pass(
+                time_sums, ds, ds_side, ds_head_rows, d_time, common, offsets, q, max_len, sizes, constants, state
+            )
+        if store and configs.get("bands"):
+            _bands_pass(configs["bands"], ds, ds_side, ds_head_rows, d_position, offsets, q, max_len, sizes)
     if configs.get("dk"):  # from the score gradients just stored
         config = configs["dk"]
         _hstu_bwd_dk_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
@@ -2174,20 +2189,6 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             RANGE_BLOCK=constants["RANGE_BLOCK"],
             **config,
             TIME=time_sums == "dk",
-            order=state["order"],
-        )
-    if isinstance(time_sums, dict):
-        config = time_sums
-        _hstu_bwd_time_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
-            _ds_descriptor(ds, config),
-            ds_side,
-            ds_head_rows,
-            d_time,
-            *common[:5],
-            sizes["num_buckets"],
-            TIME_BLOCK=constants["TIME_BLOCK"],
-            RANGE_BLOCK=constants["RANGE_BLOCK"],
-            **config,
             order=state["order"],
         )
     config = configs["dq"]
@@ -2219,21 +2220,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             TIME=time_sums is None,
             order=state["order"],
         )
-        if configs.get("bands"):
-            config = configs["bands"]
-            bands = triton.cdiv(max(max_len, 1), config["BLOCK_M"])
-            chunks = triton.cdiv(bands, config["CHUNK"])
-            _hstu_bwd_position_bands[(bands * chunks, len(offsets) - 1, q.shape[1])](
-                _ds_descriptor(ds, config),
-                ds_side,
-                ds_head_rows,
-                d_position,
-                offsets,
-                max_len,
-                sizes["num_positions"],
-                bands,
-                **config,
-            )
+        beside.join()
         return d_position.to(position.dtype), d_time.to(time.dtype)
     _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
@@ -2252,7 +2239,80 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         BIAS_GRADS=in_dq,
         order=state["order"],
     )
+    beside.join()
     return d_position.to(position.dtype), d_time.to(time.dtype)
+
+
+def _time_pass(config, ds, ds_side, ds_head_rows, d_time, common, offsets, q, max_len, sizes, constants, state):
+    """The time table's gradient from the stored score gradients (``_hstu_bwd_time_stored``)."""
+    _hstu_bwd_time_stored[_grid(max_len, config["BLOCK_N"], offsets, q.shape[1], config)](
+        _ds_descriptor(ds, config),
+        ds_side,
+        ds_head_rows,
+        d_time,
+        *common[:5],
+        sizes["num_buckets"],
+        TIME_BLOCK=constants["TIME_BLOCK"],
+        RANGE_BLOCK=constants["RANGE_BLOCK"],
+        **config,
+        order=state["order"],
+    )
+
+
+def _bands_pass(config, ds, ds_side, ds_head_rows, d_position, offsets, q, max_len, sizes):
+    """The position table's gradient from the stored score gradients, by bands (``_hstu_bwd_position_bands``)."""
+    bands = triton.cdiv(max(max_len, 1), config["BLOCK_M"])
+    chunks = triton.cdiv(bands, config["CHUNK"])
+    _hstu_bwd_position_bands[(bands * chunks, len(offsets) - 1, q.shape[1])](
+        _ds_descriptor(ds, config),
+        ds_side,
+        ds_head_rows,
+        d_position,
+        offsets,
+        max_len,
+        sizes["num_positions"],
+        bands,
+        **config,
+    )
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+"""Per device, the stream on which the bias tables' sum passes run beside the dk and dq kernels."""
+
+
+class _Beside:
+    """Where the bias tables' sum passes run (``kernel_configs``' ``sums_beside``): on the caller's stream, or on
+    a stream of the device's own that starts after the caller's work so far (the stored score gradients) and
+    that the caller's stream waits for at ``join``, so that the two memory-bound passes run while the dk and
+    dq kernels run (they read the same score gradients and write other tensors)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None):
+        self.stream, self.context = stream, None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.context = torch.cuda.stream(self.stream)
+            self.context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.context is not None:
+            self.context.__exit__(*exc)
+        return False
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def _sums_beside(configs: dict, device: torch.device) -> _Beside:
+    if not (configs.get("sums_beside") and device.type == "cuda"):
+        return _Beside(None)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _Beside(_SIDE_STREAMS[device])
 
 
 class _HSTUAttention(torch.autograd.Function):
