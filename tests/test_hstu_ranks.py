@@ -20,11 +20,24 @@ def run(preset, out_dir, *args):
     return run_script(SCRIPT, out_dir, preset, out_dir, STEPS, *args, timeout=300)
 
 
-@pytest.mark.parametrize("preset", ["legacy_none", "per_task_d3", "full_split_d6"])
-def test_ranks_launch_the_same_collectives_for_a_hundred_steps(preset, tmp_path):
-    result = run(preset, tmp_path / "out")
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+HUNDRED_STEP_PRESETS = ["legacy_none", "per_task_d3", "full_split_d6"]
+
+
+@pytest.fixture(scope="module")
+def hundred_steps(tmp_path_factory):
+    """The three presets' hundred-step fits, one after the other in one launch of two ranks."""
+    out = tmp_path_factory.mktemp("hundred_steps") / "out"
+    out.mkdir()
+    result = run_script(SCRIPT, out, ",".join(HUNDRED_STEP_PRESETS), out, STEPS, timeout=600)
+    return result, out
+
+
+@pytest.mark.parametrize("preset", HUNDRED_STEP_PRESETS)
+def test_ranks_launch_the_same_collectives_for_a_hundred_steps(preset, hundred_steps):
+    result, out = hundred_steps
+    saved = [out / f"{preset}.rank{r}.pt" for r in (0, 1)]
+    assert all(path.exists() for path in saved), f"{preset} did not finish:\n{result.stderr[-3000:]}"
+    ranks = [torch.load(path, weights_only=False) for path in saved]
     for rank in ranks:
         assert rank["global_step"] == STEPS
         assert rank["compared"] == 3
@@ -64,16 +77,22 @@ def test_validate_and_test_on_two_ranks_keep_each_ranks_table_shards(tmp_path):
     assert all(math.isfinite(v) for v in [*ranks[0]["validated"].values(), *ranks[0]["tested"].values()])
 
 
+@pytest.fixture(scope="module")
+def predictions(tmp_path_factory):
+    """One fit on two ranks, then its predictions on 8 pairs and on 9 (one launch)."""
+    out = tmp_path_factory.mktemp("predict") / "out"
+    out.mkdir()
+    return run_script(SCRIPT.parent / "hstu_predict_ranks.py", out, out, 8, 9, timeout=300), out
+
+
 @pytest.mark.parametrize("pairs", [8, 9])
-def test_predict_on_two_ranks_runs_on_equal_shares_and_refuses_unequal_ones(pairs, tmp_path):
+def test_predict_on_two_ranks_runs_on_equal_shares_and_refuses_unequal_ones(pairs, predictions):
     """trainer.predict on two ranks with sharded tables: Lightning's predict sampler splits 8 pairs into 2
     batches of 2 per rank, which predict; 9 pairs into 3 batches and 2, which would hang rank 0 in its third
     batch's lookup (an all-to-all rank 1 never joins): both ranks raise a clear error before any batch."""
-    out = tmp_path / "out"
-    out.mkdir()
-    result = run_script(SCRIPT.parent / "hstu_predict_ranks.py", out, out, pairs, timeout=300)
+    result, out = predictions
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    ranks = [torch.load(out / f"pairs{pairs}.rank{r}.pt", weights_only=False) for r in (0, 1)]
     if pairs == 8:
         for rank in ranks:
             assert "error" not in rank, rank["error"]

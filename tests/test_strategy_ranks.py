@@ -15,11 +15,12 @@ SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 SIGTERM_SCRIPT = SCRIPT.parent / "sigterm_fit_two_ranks.py"
 
 
-def fit_two_ranks(strategy, out_dir, data="even", options=()):
+def fits_on_two_ranks(strategies, out_dir, data="even", options=()) -> dict[str, list[dict]]:
+    """Each strategy's fit, one after the other in one launch of two ranks: per strategy, each rank's results."""
     out_dir.mkdir()
     env = launch_env()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out_dir), strategy, "--data", data, *options],
+        [sys.executable, str(SCRIPT), str(out_dir), *strategies, "--data", data, *options],
         capture_output=True,
         text=True,
         timeout=300,
@@ -27,18 +28,24 @@ def fit_two_ranks(strategy, out_dir, data="even", options=()):
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return [torch.load(out_dir / f"{strategy}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return {s: [torch.load(out_dir / f"{s}.rank{r}.pt", weights_only=False) for r in (0, 1)] for s in strategies}
+
+
+def fit_two_ranks(strategy, out_dir, data="even", options=()) -> list[dict]:
+    return fits_on_two_ranks([strategy], out_dir, data, options)[strategy]
 
 
 @pytest.fixture(scope="module")
-def lightning_ddp(tmp_path_factory):
-    return fit_two_ranks("ddp", tmp_path_factory.mktemp("ddp") / "out")
+def even_fits(tmp_path_factory):
+    """Lightning's DDP and two presets on the same data (one launch: its interpreters and imports cost more
+    than a fit of the toy model)."""
+    return fits_on_two_ranks(["ddp", "hstu_default_d6", "hstu_per_task_d3"], tmp_path_factory.mktemp("even") / "out")
 
 
 @pytest.mark.parametrize("strategy", ["hstu_default_d6", "hstu_per_task_d3"])
-def test_two_ranks_equal_lightnings_ddp(strategy, lightning_ddp, tmp_path):
-    ranks = fit_two_ranks(strategy, tmp_path / "out")
-    for got, expected in zip(ranks, lightning_ddp):
+def test_two_ranks_equal_lightnings_ddp(strategy, even_fits):
+    ranks = even_fits[strategy]
+    for got, expected in zip(ranks, even_fits["ddp"]):
         assert got["seen"] == expected["seen"]  # each rank trained its DistributedSampler share, in order
         assert got["global_step"] == expected["global_step"] == 16
         assert got["groups"] == expected["groups"] == 1  # the strategy's own gloo groups ended with the fit
@@ -163,11 +170,11 @@ def test_a_users_own_collectives_in_the_step_in_logging_and_in_callbacks_run_as_
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or not {0, 1} <= os.sched_getaffinity(0), reason="needs Linux, cores 0 and 1"
 )
-def test_pin_threads_gives_each_rank_of_a_machine_its_own_core(tmp_path):
+def test_pin_threads_gives_each_rank_of_a_machine_its_own_core(tmp_path, even_fits):
     """HSTUPipelineStrategy(pin_threads=[0, 1]): local rank i's training steps on core i (from the end of each
     epoch's first batch), and the same weights as without pinning."""
     ranks = fit_two_ranks("hstu_default_d6", tmp_path / "out", options=["--pin-threads", "0,1"])
-    unpinned = fit_two_ranks("hstu_default_d6", tmp_path / "unpinned")
+    unpinned = even_fits["hstu_default_d6"]
     for rank, (got, expected) in enumerate(zip(ranks, unpinned)):
         cores = got["step_cores"]
         assert len(cores) == 16

@@ -1,11 +1,11 @@
 """Trains the HSTU recommender a few steps on two processes, then predicts each history's five best items on
-the first PAIRS validation pairs through Lightning's predict sampler; run by test_hstu_ranks.py (two CPU
-processes, gloo).
+the first PAIRS validation pairs through Lightning's predict sampler, once per PAIRS given, in that order;
+run by test_hstu_ranks.py (two CPU processes, gloo).
 
-    python hstu_predict_ranks.py OUT_DIR PAIRS
+    python hstu_predict_ranks.py OUT_DIR PAIRS [PAIRS ...]
 
 Lightning's launcher starts the second rank by running this same command again. Each rank saves its
-predictions, or the error ``trainer.predict`` raised, to OUT_DIR/rank<R>.pt.
+predictions, or the error ``trainer.predict`` raised, to OUT_DIR/pairs<PAIRS>.rank<R>.pt.
 """
 
 import sys
@@ -29,7 +29,7 @@ class Recommending(HSTURecommender):
 
 
 def main() -> None:
-    out_dir, pairs = sys.argv[1], int(sys.argv[2])
+    out_dir, counts = sys.argv[1], [int(pairs) for pairs in sys.argv[2:]]
     pl.seed_everything(0, verbose=False)
     model = Recommending(**SMALL_MODEL)
     data = small_data(num_users=96)
@@ -38,12 +38,13 @@ def main() -> None:
     )
     trainer.fit(model, data)
     evaluation = data.val_dataloader()
-    loader = DataLoader(Subset(evaluation.dataset, range(pairs)), batch_size=2, collate_fn=evaluation.collate_fn)
-    try:
-        result = {"predictions": [rows.tolist() for rows in trainer.predict(model, loader)]}
-    except RuntimeError as error:
-        result = {"error": str(error)}
-    torch.save(result, f"{out_dir}/rank{trainer.global_rank}.pt")
+    for pairs in counts:
+        loader = DataLoader(Subset(evaluation.dataset, range(pairs)), batch_size=2, collate_fn=evaluation.collate_fn)
+        try:
+            result = {"predictions": [rows.tolist() for rows in trainer.predict(model, loader)]}
+        except RuntimeError as error:
+            result = {"error": str(error)}
+        torch.save(result, f"{out_dir}/pairs{pairs}.rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

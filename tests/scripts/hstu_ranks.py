@@ -1,12 +1,17 @@
 """Trains the HSTU recommender on two processes under one preset with the collective-order check on; run by
 test_hstu_ranks.py (two CPU processes, gloo) and test_two_gpus.py.
 
-    python hstu_ranks.py PRESET OUT_DIR STEPS [--mismatch] [--accelerator {cpu,gpu}]
+    python hstu_ranks.py PRESET[,PRESET...] OUT_DIR STEPS [--mismatch] [--accelerator {cpu,gpu}]
+
+Several presets (comma-separated) train one after the other in the same two processes (one launch: the
+interpreters and imports of a launch cost more than a hundred steps of the small model), each from the same
+seed; each rank then saves each preset's results to OUT_DIR/<PRESET>.rank<R>.pt, as soon as that preset's
+fit ends.
 
 ``--mismatch``: rank 1 launches one collective more than rank 0 (on a group of its own, so that nothing
 waits for it) in finish_shuffle, which the check must report. With ``--accelerator gpu`` rank R trains on
 CUDA device R, over NCCL. Each rank saves its global step, how many steps were compared, the collectives
-of each compared step (its inventories) and its dense weights to OUT_DIR/rank<R>.pt.
+of each compared step (its inventories) and its dense weights to OUT_DIR/rank<R>.pt (one preset).
 """
 
 import argparse
@@ -60,6 +65,14 @@ def main() -> None:
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--trace-dir", help="keep the profiler trace of each recorded step there")
     args = parser.parse_args()
+    presets = args.preset.split(",")
+    for preset in presets:
+        name = "rank" if len(presets) == 1 else f"{preset}.rank"
+        train(preset, args, f"{args.out_dir}/{name}")
+
+
+def train(preset: str, args: argparse.Namespace, path: str) -> None:
+    """One fit under ``preset``; each rank saves its results to ``path`` + its rank + ".pt"."""
     model_kwargs, data = model_and_data(args.accelerator)
     pl.seed_everything(0, verbose=False)
     model = (OneMoreOnRank1 if args.mismatch else HSTURecommender)(**model_kwargs)
@@ -71,7 +84,7 @@ def main() -> None:
         trace_dir=args.trace_dir,
     )
     trainer = pl.Trainer(
-        strategy=HSTUPipelineStrategy(args.preset),
+        strategy=HSTUPipelineStrategy(preset),
         accelerator=args.accelerator,
         devices=2,
         max_steps=args.steps,
@@ -87,7 +100,7 @@ def main() -> None:
             "inventories": [[asdict(c) for c in inventory] for inventory in check.inventories],
             "weights": {k: v.detach().cpu() for k, v in model.objectives.state_dict().items()},
         },
-        f"{args.out_dir}/rank{trainer.global_rank}.pt",
+        f"{path}{trainer.global_rank}.pt",
     )
 
 
