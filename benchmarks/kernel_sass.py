@@ -46,6 +46,8 @@ POINTERS = {
     "PQ": "*bf16",  # the pre-activations whose SiLU q, k and v are (``projected_attention(silu=True)``)
     "PK": "*bf16",
     "PV": "*bf16",
+    "U_GRAD": "*bf16",  # U's gradient, which the dk/dv kernel copies into its columns of the projection's (dU)
+    "dU": "*bf16",
     "d_position": "*fp32",
     "d_time": "*fp32",
     "ds_rows": "*i32",  # kernel files that placed the stored sequences by a table of rows
