@@ -37,6 +37,7 @@ def test_ranks_launch_the_same_collectives_for_a_hundred_steps(preset, hundred_s
     result, out = hundred_steps
     saved = [out / f"{preset}.rank{r}.pt" for r in (0, 1)]
     assert all(path.exists() for path in saved), f"{preset} did not finish:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, result.stderr[-3000:]  # and the launch ended cleanly after the three fits
     ranks = [torch.load(path, weights_only=False) for path in saved]
     for rank in ranks:
         assert rank["global_step"] == STEPS
