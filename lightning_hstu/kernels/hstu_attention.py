@@ -67,6 +67,8 @@ no output or gradient is filled beforehand. Programs of blocks past a sequence's
 grid can be sized by the longest sequence the model allows rather than by the batch's (no host sync).
 """
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -1843,7 +1845,7 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
     settings of a pass of its own (``_hstu_bwd_time_stored``); the dq kernel then makes dq alone (heads of
     256 in bf16: a pass of its own, and dq's tiles of 64 queries, 12% faster than the two kernels with the
     sums in dq; in the dk kernel, slower). ``sums_beside`` (heads of 256 in bf16, on CUDA): the time pass and the
-    position bands run on a stream of the device's own (``_Beside``) while the dk and dq kernels run on the
+    position bands run on a stream of the device's own (``_beside``) while the dk and dq kernels run on the
     caller's, which waits for them before the tables' gradients are returned: the two memory-bound passes fill
     what the product-bound kernels leave of the GPU (on an H100, the seed shape's backward 2% faster, queued:
     ``kernel_ab.py --queued``). Small tiles on the CPU (Triton's interpreter: tests only)."""
@@ -2032,7 +2034,7 @@ def _batch_plan(
 def _grid(max_len: int, block: int, offsets: torch.Tensor, heads: int, config: dict) -> tuple[int, int, int]:
     """The ranks (blocks of the longest sequence), the sequences and one more (the rows after the last
     sequence), and the heads, laid out as ``_program`` reads them for the config's ``ORDER``."""
-    ranks, sequences, order = (max(max_len, 1) + block - 1) // block, offsets.shape[0], config["ORDER"]
+    ranks, sequences, order = triton.cdiv(max(max_len, 1), block), offsets.shape[0], config["ORDER"]
     if order == "index":
         return ranks, sequences, heads
     return (ranks, heads, sequences) if order == "sequences" else (heads, sequences, ranks)
@@ -2160,8 +2162,8 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         order=state["order"],
     )
     time_sums = configs.get("time")  # None: in the dq kernel; "dk": in the dk kernel; else a pass of its own
-    beside = _sums_beside(configs, q.device)
-    with beside:
+    side = _sums_stream(configs, q.device)
+    with _beside(side):
         if isinstance(time_sums, dict):
             _time_pass(
                 time_sums, ds, ds_side, ds_head_rows, d_time, common, offsets, q, max_len, sizes, constants, state
@@ -2220,7 +2222,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             TIME=time_sums is None,
             order=state["order"],
         )
-        beside.join()
+        _join(side)
         return d_position.to(position.dtype), d_time.to(time.dtype)
     _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
         q,
@@ -2239,7 +2241,7 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
         BIAS_GRADS=in_dq,
         order=state["order"],
     )
-    beside.join()
+    _join(side)
     return d_position.to(position.dtype), d_time.to(time.dtype)
 
 
@@ -2280,39 +2282,33 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 """Per device, the stream on which the bias tables' sum passes run beside the dk and dq kernels."""
 
 
-class _Beside:
-    """Where the bias tables' sum passes run (``kernel_configs``' ``sums_beside``): on the caller's stream, or on
-    a stream of the device's own that starts after the caller's work so far (the stored score gradients) and
-    that the caller's stream waits for at ``join``, so that the two memory-bound passes run while the dk and
-    dq kernels run (they read the same score gradients and write other tensors)."""
-
-    def __init__(self, stream: torch.cuda.Stream | None):
-        self.stream, self.context = stream, None
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            self.context = torch.cuda.stream(self.stream)
-            self.context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            self.context.__exit__(*exc)
-        return False
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
-def _sums_beside(configs: dict, device: torch.device) -> _Beside:
+def _sums_stream(configs: dict, device: torch.device) -> torch.cuda.Stream | None:
+    """The stream of the bias tables' sum passes (``kernel_configs``' ``sums_beside``): the device's own, made
+    once, or None: the caller's."""
     if not (configs.get("sums_beside") and device.type == "cuda"):
-        return _Beside(None)
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        return None
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _Beside(_SIDE_STREAMS[device])
+    return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def _beside(stream: torch.cuda.Stream | None):
+    """The launches inside run on ``stream`` (None: on the caller's), after the caller's stream's work so far (the
+    stored score gradients), so that the two memory-bound passes run while the dk and dq kernels run on the
+    caller's (they read the same score gradients and write other tensors); ``_join`` ends it."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _join(stream: torch.cuda.Stream | None) -> None:
+    """The caller's stream waits for ``stream``'s launches (``_beside``)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 class _HSTUAttention(torch.autograd.Function):
