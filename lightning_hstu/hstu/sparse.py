@@ -48,6 +48,12 @@ over both groups: what NCCL asks of communicators used at the same time (the bal
 have a group of their own for the same reason)."""
 
 
+def check_input_dist_group(input_dist_group: str) -> None:
+    """Refuses a value not in ``INPUT_DIST_GROUPS``, naming the valid ones (before any process group is made)."""
+    if input_dist_group not in INPUT_DIST_GROUPS:
+        raise ValueError(f"unknown input_dist_group {input_dist_group!r}; valid: {', '.join(INPUT_DIST_GROUPS)}")
+
+
 @dataclass
 class InputDist:
     """One batch between start_input_dist and compute_output_dist: its own TorchRec context (never shared
@@ -79,8 +85,7 @@ class ShardedEmbeddings(torch.nn.Module):
         timeout: datetime.timedelta | None = None,
     ):
         super().__init__()
-        if input_dist_group not in INPUT_DIST_GROUPS:
-            raise ValueError(f"unknown input_dist_group {input_dist_group!r}; valid: {', '.join(INPUT_DIST_GROUPS)}")
+        check_input_dist_group(input_dist_group)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShardedEmbeddings needs torch.distributed initialised (the strategy does it)")
         if cache_load_factor is not None and (device.type != "cuda" or not 0 < cache_load_factor <= 1):

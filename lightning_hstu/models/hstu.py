@@ -32,7 +32,7 @@ from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
 from ..hstu.graphs import GraphedAdamW, GraphedMethod
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
-from ..hstu.sparse import INPUT_DIST_GROUPS, TABLES_AHEAD, ShardedEmbeddings
+from ..hstu.sparse import TABLES_AHEAD, ShardedEmbeddings, check_input_dist_group
 from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
 from .hstu_layers import HSTUConfig, HSTUStack, Padding
 from .ranking import RankingEvaluation
@@ -144,8 +144,7 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             raise ValueError(f"unknown sparse_optimizer {sparse_optimizer!r}; valid: {', '.join(SPARSE_OPTIMIZERS)}")
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
-        if input_dist_group not in INPUT_DIST_GROUPS:
-            raise ValueError(f"unknown input_dist_group {input_dist_group!r}; valid: {', '.join(INPUT_DIST_GROUPS)}")
+        check_input_dist_group(input_dist_group)
         if on_nonfinite_loss not in NONFINITE:
             raise ValueError(f"unknown on_nonfinite_loss {on_nonfinite_loss!r}; valid: {', '.join(NONFINITE)}")
         if ranking_weight < 0:
