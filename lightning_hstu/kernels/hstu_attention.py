@@ -1864,9 +1864,11 @@ def kernel_configs(block_a: int, block_d: int, dtype: torch.dtype, device: torch
         return {
             "fwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, ORDER="sequences"),
             "dkdv": dict(BLOCK_M=32, BLOCK_N=64, ORDER="sequences", num_warps=4, num_stages=3),  # dv and ds only
-            "dk": dict(BLOCK_M=32, BLOCK_N=128, ORDER="sequences", num_warps=8, num_stages=4),  # from the stored ds
+            # dk and dq wait on their tiles of stored score gradients (read from HBM): five and four stages took
+            # dk 2-6% and dq 9-13% less time per call than four and three on an H100 (BENCHMARKS.md)
+            "dk": dict(BLOCK_M=32, BLOCK_N=128, ORDER="sequences", num_warps=8, num_stages=5),  # from the stored ds
             "time": dict(BLOCK_M=64, BLOCK_N=64, ORDER="sequences", num_warps=4, num_stages=3),  # the time sums
-            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3, ORDER="sequences"),  # dq alone
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4, ORDER="sequences"),  # dq alone
             "bias_grads": "dq",
             "store_ds": True,  # dq from the dk/dv kernel's score gradients
             "store_s": True,  # the dk/dv kernel reads the forward's scores
