@@ -11,10 +11,12 @@ each version alike.
 Inputs as ``hstu_attention_kernel.py``'s (batch 32, floor(U^-5) lengths capped at L, 4 heads x 128 or x ``--dim``, bf16,
 time gaps up to an hour with every fifth gap 0). Without a GPU it runs in Triton's interpreter
 (``TRITON_INTERPRET=1``, fp32, ``--shapes tiny``): a smoke run, whose times mean nothing. Per version and
-shape: forward and backward ms of each round (CUDA events around one call, median of ``--reps``; with ``--queued``
-the mean of ``--reps`` calls queued behind a sleep kernel: the GPU's time for them back to back, without the
-host's launch time, and with what kernels on two streams gain together), and with ``--profile`` the GPU time of
-each of the kernels per call (torch.profiler over 5 calls; kernels that share the GPU each take longer there).
+shape: forward and backward ms of each round (the forward under ``torch.no_grad``, or with ``--train-forward`` as
+a training step runs it, storing what the backward reads; CUDA events around one call, median of ``--reps``; with
+``--queued`` the mean of ``--reps`` calls queued behind a sleep kernel: the GPU's time for them back to back,
+without the host's launch time, and with what kernels on two streams gain together), and with ``--profile`` the
+GPU time of each of the kernels per call (torch.profiler over 5 calls; kernels that share the GPU each take longer
+there).
 """
 
 import argparse
@@ -124,6 +126,12 @@ def main():
         action="store_true",
         help="time the calls queued behind a sleep kernel (the GPU's time back to back, not the host's per call)",
     )
+    parser.add_argument(
+        "--train-forward",
+        action="store_true",
+        help="time the forward as a training step runs it (autograd on: what the backward needs is stored) instead "
+        "of under torch.no_grad; bwd is then a forward and backward less that",
+    )
     args = parser.parse_args()
     modules = {path: load(path) for path in args.versions}
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (Triton's interpreter)"
@@ -160,7 +168,7 @@ def main():
             for path, module in modules.items():
 
                 def forward(module=module):
-                    with torch.no_grad():
+                    with torch.set_grad_enabled(args.train_forward):
                         call(module)
 
                 def both(module=module):
