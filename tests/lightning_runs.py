@@ -1,5 +1,7 @@
 """Fitting the toy recommender under a strategy, quietly, and comparing runs."""
 
+import os
+import sys
 import tempfile
 
 import lightning.pytorch as pl
@@ -8,7 +10,7 @@ from lightning.pytorch.loggers import Logger
 
 from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
-from lightning_hstu.strategies.process_groups import end_process_groups  # noqa: F401  (the rank scripts' end)
+from lightning_hstu.strategies.process_groups import end_process_groups
 
 QUIET = dict(
     logger=False,
@@ -24,10 +26,24 @@ _SCRATCH: list[tempfile.TemporaryDirectory] = []
 def _scratch_dir() -> str:
     """Where a fit writes what it is not told to write elsewhere (Lightning's default checkpoint callback saves
     under ``default_root_dir``, the working directory unless given): made at the process's first fit (the
-    rank scripts import this module for ``end_process_groups`` alone) and removed at the end of the process."""
+    rank scripts import this module for ``end_rank_script`` alone) and removed at the end of the process."""
     if not _SCRATCH:
         _SCRATCH.append(tempfile.TemporaryDirectory(prefix="lightning-runs-"))
     return tempfile.mkdtemp(dir=_SCRATCH[0].name)
+
+
+def end_rank_script() -> None:
+    """The end of a rank script whose run succeeded: its process groups destroyed (``end_process_groups``), its
+    scratch directory removed, its output flushed, and the process ended with exit code 0 at once. Left to the
+    interpreter's exit, gloo's threads can abort a process whose run succeeded ("terminate called without an
+    active exception", exit code -6), also after its groups were destroyed (docs/reliability.md). The tests
+    assert what the ranks computed; a run that failed does not get here (its exception ends the script with 1)."""
+    end_process_groups()
+    for scratch in _SCRATCH:
+        scratch.cleanup()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class SharedDirectoryLogger(Logger):

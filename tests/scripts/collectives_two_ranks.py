@@ -23,7 +23,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 
 
 class Gathering(ToyRecommender):
@@ -84,4 +84,4 @@ def fit(strategy: str, out_dir: str) -> None:
 if __name__ == "__main__":
     for name in sys.argv[2:]:
         fit(name, sys.argv[1])
-    end_process_groups()
+    end_rank_script()

@@ -34,7 +34,7 @@ from lightning_hstu.models.hstu import HSTURecommender
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from delayed_hstu import LateOutputs  # noqa: E402
 
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 from small_hstu import model_and_data  # noqa: E402
 
 OPTIONS = ("delays", "graphs", "nowaits", "inputgroup")
@@ -121,4 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_groups()
+    end_rank_script()

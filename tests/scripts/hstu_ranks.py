@@ -28,7 +28,7 @@ from lightning_hstu.callbacks import CollectiveInventoryCallback
 from lightning_hstu.models.hstu import HSTURecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 from small_hstu import model_and_data  # noqa: E402
 
 
@@ -106,4 +106,4 @@ def train(preset: str, args: argparse.Namespace, path: str) -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_groups()
+    end_rank_script()

@@ -18,7 +18,7 @@ from lightning_hstu.callbacks import RankingReport
 from lightning_hstu.models.hstu import HSTURecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 from small_hstu import SMALL_MODEL, small_data  # noqa: E402
 
 
@@ -40,4 +40,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_groups()
+    end_rank_script()

@@ -21,7 +21,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_process_groups, end_rank_script  # noqa: E402
 
 
 def fail_halfway_into(name: str) -> None:
@@ -58,7 +58,7 @@ def main() -> None:
         print(f"rank {trainer.global_rank}: {error}", file=sys.stderr, flush=True)
         end_process_groups()
         sys.exit(1)
-    end_process_groups()
+    end_rank_script()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 
 
 class ShardedTableRecommender(pl.LightningModule):
@@ -88,4 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_groups()
+    end_rank_script()

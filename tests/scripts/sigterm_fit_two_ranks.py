@@ -22,7 +22,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 
 
 class SignalAtBatch(pl.Callback):
@@ -58,4 +58,4 @@ def main(out_dir: str, preset: str, signalled: int, at_batch: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    end_process_groups()
+    end_rank_script()

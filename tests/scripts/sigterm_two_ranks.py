@@ -20,7 +20,7 @@ from lightning_hstu.data.toy import ToyDataModule
 from lightning_hstu.models.toy import ToyRecommender
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 
 
 class AskEachCombination(pl.Callback):
@@ -74,4 +74,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process_groups()
+    end_rank_script()

@@ -17,7 +17,7 @@ from lightning_hstu.data.histories import SyntheticHistories
 from lightning_hstu.models.ranking import RankingEvaluation
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
-from lightning_runs import QUIET, end_process_groups  # noqa: E402
+from lightning_runs import QUIET, end_rank_script  # noqa: E402
 
 DATA = dict(num_users=11, num_items=30, max_seq_len=20, batch_size=2, seed=3)
 
@@ -49,4 +49,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_groups()
+    end_rank_script()
