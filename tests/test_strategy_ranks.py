@@ -2,14 +2,12 @@
 rank with fewer batches ends the epoch for everyone instead of hanging them."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ranks import launch_env, run_script
+from ranks import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_two_ranks.py"
 SIGTERM_SCRIPT = SCRIPT.parent / "sigterm_fit_two_ranks.py"
@@ -18,15 +16,7 @@ SIGTERM_SCRIPT = SCRIPT.parent / "sigterm_fit_two_ranks.py"
 def fits_on_two_ranks(strategies, out_dir, data="even", options=()) -> dict[str, list[dict]]:
     """Each strategy's fit, one after the other in one launch of two ranks: per strategy, each rank's results."""
     out_dir.mkdir()
-    env = launch_env()
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out_dir), *strategies, "--data", data, *options],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out_dir,
-        env=env,
-    )
+    result = run_script(SCRIPT, out_dir, out_dir, *strategies, "--data", data, *options, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return {s: [torch.load(out_dir / f"{s}.rank{r}.pt", weights_only=False) for r in (0, 1)] for s in strategies}
 
@@ -115,9 +105,7 @@ def test_the_sigterm_check_stops_every_rank_when_any_rank_received_it(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).parent / "scripts" / "sigterm_two_ranks.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300, cwd=out, env=launch_env()
-    )
+    result = run_script(script, out, out, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         saved = torch.load(out / f"rank{rank}.pt", weights_only=False)
