@@ -2224,25 +2224,24 @@ def _backward(state, q, k, v, offsets, timestamps, position, time, grad, dq, dk,
             TIME=time_sums is None,
             order=state["order"],
         )
-        _join(side)
-        return d_position.to(position.dtype), d_time.to(time.dtype)
-    _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
-        q,
-        _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
-        _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
-        do,
-        dq,
-        pq,
-        d_position,
-        d_time,
-        *common,
-        *(stride for t in (q, do, dq) for stride in t.stride()[:2]),
-        **constants,
-        **config,
-        SKEW=skew,
-        BIAS_GRADS=in_dq,
-        order=state["order"],
-    )
+    else:
+        _hstu_bwd_dq[_grid(max_len, config["BLOCK_M"], offsets, q.shape[1], config)](
+            q,
+            _rows_descriptor(k, config["BLOCK_N"], sizes["BLOCK_A"]),
+            _rows_descriptor(v, config["BLOCK_N"], sizes["BLOCK_D"]),
+            do,
+            dq,
+            pq,
+            d_position,
+            d_time,
+            *common,
+            *(stride for t in (q, do, dq) for stride in t.stride()[:2]),
+            **constants,
+            **config,
+            SKEW=skew,
+            BIAS_GRADS=in_dq,
+            order=state["order"],
+        )
     _join(side)
     return d_position.to(position.dtype), d_time.to(time.dtype)
 
