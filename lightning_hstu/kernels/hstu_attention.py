@@ -165,14 +165,15 @@ def _bias(
     MASKED: tl.constexpr,
     CLAMP: tl.constexpr,
     FAST: tl.constexpr,
+    ts_values=None,
 ):
     """rab of a tile's pairs and each pair's time bucket (``low`` and ``high``: the tile's bucket range).
     A pair's distance i - j is ``offset`` (the tile's, a scalar) plus ``local`` (its place in the tile, the
     same tensor for every tile): off the diagonal (not ``MASKED``) every distance lies in [1, num_positions)
     unless ``CLAMP``, so the table is read at one address per tile plus constant offsets. The times of one
     side of the tile are in registers (``ts_known``); the other side's are read (``ts_pointers``, valid
-    addresses for every pair) only when the tile's gaps span several buckets (the gap's sign does not
-    matter). Pairs with j > i are masked by the caller."""
+    addresses for every pair) only when the tile's gaps span several buckets, unless the caller read them
+    ahead (``ts_values``; the gap's sign does not matter). Pairs with j > i are masked by the caller."""
     if CLAMP:
         position = _read(position_table + tl.minimum(tl.maximum(offset + local, 0), num_positions - 1), FAST)
     elif MASKED:
@@ -183,7 +184,8 @@ def _bias(
         bias = position + tl.load(time_table + low)
         bucket = tl.full(position.shape, 0, tl.int32) + low
     else:
-        bucket = _bucket(ts_known - _read(ts_pointers, FAST), num_buckets)
+        other = _read(ts_pointers, FAST) if ts_values is None else ts_values
+        bucket = _bucket(ts_known - other, num_buckets)
         bias = position + _read(time_table + bucket, FAST)
     return bias, bucket
 
@@ -353,7 +355,8 @@ def _query_tile(
     first,
     key,
     ts,
-    ranges,
+    tj_min,
+    tj_max,
     ti_min,
     ti_max,
     position_table,
@@ -368,12 +371,12 @@ def _query_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANGE_BLOCK: tl.constexpr,
+    ts_j=None,
 ):
     """For the query rows ``first:first + BLOCK_M`` and the keys ``k`` (``key:key + BLOCK_N``): SiLU of the
     [queries, keys] scores (bias included) and its derivative, each pair's time bucket, the tile's bucket
     range, and the scores."""
     cols = key + tl.arange(0, BLOCK_N)
-    tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
     low, high = _bucket_range(ti_min, ti_max, tj_min, tj_max, num_buckets)
     bias, bucket = _bias(
         first - key,
@@ -389,6 +392,7 @@ def _query_tile(
         MASKED,
         CLAMP,
         FAST,
+        ts_j,
     )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + bias
     p, dsilu = _silu(s, FAST)
@@ -408,7 +412,8 @@ def _fwd_tile(
     start,
     head,
     ts,
-    ranges,
+    tj_min,
+    tj_max,
     ti_min,
     ti_max,
     position_table,
@@ -428,6 +433,7 @@ def _fwd_tile(
     S,
     s_row,
     STORE_S: tl.constexpr,
+    ts_j=None,
 ):
     """One [queries, keys] tile of the forward; the keys and values arrive by TMA (``K`` and ``V`` are
     descriptors of the [tokens, heads, dim] tensors; rows past the sequence's end belong to the next one or
@@ -443,7 +449,8 @@ def _fwd_tile(
         first,
         key,
         ts,
-        ranges,
+        tj_min,
+        tj_max,
         ti_min,
         ti_max,
         position_table,
@@ -458,6 +465,7 @@ def _fwd_tile(
         BLOCK_M,
         BLOCK_N,
         RANGE_BLOCK,
+        ts_j,
     )
     if STORE_S:
         S.store([s_row + key, first], tl.trans(s).to(v.dtype))
@@ -521,7 +529,12 @@ def _hstu_fwd(
     ti_min, ti_max = _time_range(ranges, first, BLOCK_M, RANGE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     s_row = _ds_row(s_side, s_head_rows, start, seq, head, STORE_S)
+    tj_min, tj_max = _time_range(ranges, 0, BLOCK_N, RANGE_BLOCK)
+    ts_j = _read((ts + tl.minimum(tl.arange(0, BLOCK_N), n - 1))[None, :], FAST)
     for key in range(0, first, BLOCK_N):  # keys before the block: every pair is causal
+        # the next key block's time range and times read a tile ahead (their latency behind this tile's work)
+        next_min, next_max = _time_range(ranges, key + BLOCK_N, BLOCK_N, RANGE_BLOCK)
+        next_ts = _read((ts + tl.minimum(key + BLOCK_N + tl.arange(0, BLOCK_N), n - 1))[None, :], FAST)
         acc = _fwd_tile(
             acc,
             q,
@@ -534,7 +547,8 @@ def _hstu_fwd(
             start.to(tl.int32),
             head,
             ts,
-            ranges,
+            tj_min,
+            tj_max,
             ti_min,
             ti_max,
             position_table,
@@ -554,8 +568,12 @@ def _hstu_fwd(
             S,
             s_row,
             STORE_S,
+            ts_j,
         )
+        tj_min, tj_max = next_min, next_max
+        ts_j = next_ts
     for key in range(first, tl.minimum(first + BLOCK_M, n), BLOCK_N):  # the diagonal: masked
+        tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
         acc = _fwd_tile(
             acc,
             q,
@@ -568,7 +586,8 @@ def _hstu_fwd(
             start.to(tl.int32),
             head,
             ts,
-            ranges,
+            tj_min,
+            tj_max,
             ti_min,
             ti_max,
             position_table,
@@ -1079,6 +1098,7 @@ def _dq_tile(
     cols = key + tl.arange(0, BLOCK_N)  # keys and values by TMA: rows past the sequence's end are masked below
     k = tl.reshape(K.load([start + key, head, 0]), [BLOCK_N, BLOCK_A])
     v = tl.reshape(V.load([start + key, head, 0]), [BLOCK_N, BLOCK_D])
+    tj_min, tj_max = _time_range(ranges, key, BLOCK_N, RANGE_BLOCK)
     _, dsilu, bucket, low, high, _ = _query_tile(
         q,
         k,
@@ -1086,7 +1106,8 @@ def _dq_tile(
         first,
         key,
         ts,
-        ranges,
+        tj_min,
+        tj_max,
         ti_min,
         ti_max,
         position_table,
