@@ -13,7 +13,9 @@ layer). Sequences are given as rows ``offsets[b]:offsets[b + 1]`` of ``[N, heads
 of scores in registers and reads the bias tables (a few kB) where it needs them. Whether a tile's gaps all
 fall in one time bucket (its time bias then one number) is decided from the time ranges of its query and
 key blocks: the earliest and latest time of each block of tokens, made by one small kernel per call. Only
-tiles whose gaps span several buckets read their timestamps.
+tiles whose gaps span several buckets use their timestamps; the forward reads the next key block's time range
+and timestamps a tile ahead in its loop over the keys before the diagonal, so that their loads wait behind the
+current tile's products.
 The forward and the dq kernel read each tile's keys and values, and the dk/dv kernel each tile's queries
 and output gradients, by TMA (descriptors of the [tokens, heads, dim] tensors); the bias tables are read in
 the matrix product's register layout (loads in inline PTX), not through shared memory.
