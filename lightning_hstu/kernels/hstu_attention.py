@@ -372,7 +372,6 @@ def _query_tile(
     CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    RANGE_BLOCK: tl.constexpr,
     ts_j=None,
 ):
     """For the query rows ``first:first + BLOCK_M`` and the keys ``k`` (``key:key + BLOCK_N``): SiLU of the
@@ -431,7 +430,6 @@ def _fwd_tile(
     CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    RANGE_BLOCK: tl.constexpr,
     S,
     s_row,
     STORE_S: tl.constexpr,
@@ -466,7 +464,6 @@ def _fwd_tile(
         CLAMP,
         BLOCK_M,
         BLOCK_N,
-        RANGE_BLOCK,
         ts_j,
     )
     if STORE_S:
@@ -566,7 +563,6 @@ def _hstu_fwd(
             CLAMP,
             BLOCK_M,
             BLOCK_N,
-            RANGE_BLOCK,
             S,
             s_row,
             STORE_S,
@@ -605,7 +601,6 @@ def _hstu_fwd(
             CLAMP,
             BLOCK_M,
             BLOCK_N,
-            RANGE_BLOCK,
             S,
             s_row,
             STORE_S,
@@ -1123,7 +1118,6 @@ def _dq_tile(
         CLAMP,
         BLOCK_M,
         BLOCK_N,
-        RANGE_BLOCK,
     )
     ds = tl.dot(do, tl.trans(v), input_precision=PRECISION) * dsilu
     if MASKED:
