@@ -4,13 +4,17 @@ tokens of a workload of ``hstu_pipelines.py`` (``--workload``, default seed: wid
 256). No embedding tables, losses, optimizer, Lightning or TorchRec: it runs on a bare GPU machine with torch
 and Triton, and shows where the dense step's kernel time goes.
 
-    python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30] [--inductor KEY=VALUE ...]
+    python benchmarks/hstu_stack.py [--workload seed] [--batches 3] [--kernels 30] [--inductor KEY=VALUE ...] \
+        [--capacity]
 
 Inputs from ``kernel_ab.py``'s ``make_inputs`` (floor(U^-5) lengths capped at L, batch 32; time gaps up to an
 hour, every fifth 0). Prints ms per forward and backward (``kernel_ab.time_ms``: CUDA events, median of
 ``--steps`` calls) for each batch, the model FLOPs of the stack (the linear maps and attention's two
 products, backward as 2x forward: the stack's share of ``HSTURecommender.training_flops``) and their rate,
-then torch.profiler's kernels of the last batch, GPU ms per call of the stack.
+then torch.profiler's kernels of the last batch, GPU ms per call of the stack. With ``--capacity`` each batch's
+token rows are grown with zero rows past the last history, as a CUDA graph of the model's dense part grows them
+(``token_capacity`` of its events, plus the histories' first rows, which hold the users): the row counts the
+graphed step's linear maps and norms compute, eagerly, for comparing their kernels with the batch's own counts.
 """
 
 import argparse
@@ -31,6 +35,7 @@ if "lightning_hstu" not in sys.modules:  # the layers alone: the package's __ini
     package.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lightning_hstu")]
     sys.modules["lightning_hstu"] = package
 layers = importlib.import_module("lightning_hstu.models.hstu_layers")
+graphs = importlib.import_module("lightning_hstu.hstu.graphs")
 
 WORKLOADS = {name: SHAPES[name] for name in ("heavy", "seed", "seed_w128")}  # hstu_pipelines.py's, the dense stack
 
@@ -52,6 +57,12 @@ def main():
     parser.add_argument("--eager", action="store_true", help="the token-wise parts uncompiled")
     parser.add_argument(
         "--fp32-residual", action="store_true", help="HSTUConfig(autocast_residual=False): the residual in float32"
+    )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="the token rows grown to a graphed step's count (token_capacity of the events, plus a user row per "
+        "history), zero rows past the last history",
     )
     parser.add_argument(
         "--inductor",
@@ -90,6 +101,13 @@ def main():
         n = int(lengths.sum())
         tokens, _, grad, offsets, times = make_inputs(lengths, 1, sizes["embedding_dim"], torch.float32, seed=batch)
         x, grad = tokens.view(n, -1), grad.detach().view(n, -1)  # one "head" as wide as the model
+        rows = n
+        if args.capacity:  # each history's first row is its user's; the events are the rest
+            histories = len(lengths)
+            rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
+            x = torch.cat([x.detach(), x.new_zeros(rows - n, x.shape[1])]).requires_grad_()
+            grad = torch.cat([grad, grad.new_zeros(rows - n, grad.shape[1])])
+            times = torch.cat([times, times.new_zeros(rows - n)])
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -99,8 +117,9 @@ def main():
         ms = time_ms(step, args.steps)
         flops = stack_flops(lengths.tolist(), sizes)
         peak = torch.cuda.max_memory_allocated() / 2**30
+        grown = f" in {rows} rows" if rows != n else ""
         print(
-            f"batch {batch}: {n} tokens, {flops / 1e12:.3f} TFLOP, {ms:.2f} ms per forward and backward, "
+            f"batch {batch}: {n} tokens{grown}, {flops / 1e12:.3f} TFLOP, {ms:.2f} ms per forward and backward, "
             f"{flops / ms / 1e9:.0f} TFLOP/s, peak {peak:.1f} GiB"
         )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:

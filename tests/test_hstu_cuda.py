@@ -19,8 +19,8 @@ from small_hstu import GPU_MODEL, gpu_data
 from lightning_hstu import PRESET_NAMES, HSTUPipelineStrategy
 from lightning_hstu.callbacks import CollectiveInventoryCallback, TraceCallback
 from lightning_hstu.callbacks.collectives import format_inventory
-from lightning_hstu.hstu.graphs import GraphedMethod
-from lightning_hstu.models.hstu import HSTURecommender, token_capacity
+from lightning_hstu.hstu.graphs import GraphedMethod, token_capacity
+from lightning_hstu.models.hstu import HSTURecommender
 from lightning_hstu.models.hstu_layers import _compiled_token_wise
 from lightning_hstu.plan import EdgeKind
 

@@ -710,7 +710,7 @@ def test_the_retrieval_loss_choice():
 
 
 def test_token_capacities_are_few_and_waste_at_most_a_thirty_second():
-    from lightning_hstu.models.hstu import token_capacity
+    from lightning_hstu.hstu.graphs import token_capacity
 
     capacities = [token_capacity(n, 10_000) for n in range(1, 10_001)]
     assert all(n <= c <= max(n * 1.03125, n + 1) for n, c in enumerate(capacities, 1))

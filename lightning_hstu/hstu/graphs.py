@@ -335,6 +335,15 @@ class _Call(nn.Module):
             return torch.func.functional_call(self._bound[0], dict(zip(self._names, parameters)), inputs)
 
 
+def token_capacity(events: int, most: int, per_power_of_two: int = 32) -> int:
+    """``events`` rounded up to one of ``per_power_of_two`` steps per power of two (a power of two itself;
+    thirty-two: at most 3.125% more), capped at ``most``: the few static token counts the jagged dense part is
+    captured for. The rows past the events cost the attention nothing, but the linear maps, norms and losses
+    compute them all."""
+    step = 1 << max(0, events.bit_length() - per_power_of_two.bit_length())
+    return min(-(-events // step) * step, most)
+
+
 class _Method(nn.Module):
     def __init__(self, module: nn.Module, method: str):
         super().__init__()

@@ -30,7 +30,7 @@ from ..data.evaluation import held_items
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
-from ..hstu.graphs import GraphedAdamW, GraphedMethod
+from ..hstu.graphs import GraphedAdamW, GraphedMethod, token_capacity
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import TABLES_AHEAD, ShardedEmbeddings, check_input_dist_group
 from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
@@ -615,15 +615,6 @@ JAGGED_GRAPHS = 96
 """Graphs of the jagged dense part, one per token capacity (``token_capacity``: thirty-two per power of two): 96
 cover batches whose event counts span three octaves. With 6, a seventh capacity of the light benchmark's
 batches (H200, 2026-12-01) ran eagerly at every one of its batches, at about twice a replayed step's time."""
-
-
-def token_capacity(events: int, most: int, per_power_of_two: int = 32) -> int:
-    """``events`` rounded up to one of ``per_power_of_two`` steps per power of two (a power of two itself;
-    thirty-two: at most 3.125% more), capped at ``most``: the few static token counts the jagged dense part is
-    captured for. The rows past the events cost the attention nothing, but the linear maps, norms and losses
-    compute them all."""
-    step = 1 << max(0, events.bit_length() - per_power_of_two.bit_length())
-    return min(-(-events // step) * step, most)
 
 
 class _TokenRows(torch.autograd.Function):
