@@ -105,9 +105,8 @@ def main():
         if args.capacity:  # each history's first row is its user's; the events are the rest
             histories = len(lengths)
             rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
-            x = torch.cat([x.detach(), x.new_zeros(rows - n, x.shape[1])]).requires_grad_()
-            grad = torch.cat([grad, grad.new_zeros(rows - n, grad.shape[1])])
-            times = torch.cat([times, times.new_zeros(rows - n)])
+            x = graphs._grown(x.detach(), rows).requires_grad_()  # a leaf, as the ungrown input is
+            grad, times = graphs._grown(grad, rows), graphs._grown(times, rows)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
