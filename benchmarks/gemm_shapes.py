@@ -2,7 +2,7 @@
 rate cuBLAS reaches on a large square product: how far the step's linear maps are from what the GPU gives.
 
     python benchmarks/gemm_shapes.py [--tokens 28541] [--width 1024] [--projection 4096] [--reps 30] \
-        [--bias-columns 8 16 64 128] [--split-u]
+        [--bias-columns 8 16 64 128] [--split-u] [--host]
 
 Per product of a layer (f1: the projection, width -> projection with its bias; f2: the output map, width ->
 width with its bias; each forward, input gradient and weight gradient): us per call (median of ``--reps``,
@@ -13,11 +13,16 @@ as part of the weight gradient's product with the input widened by a column of o
 count of columns (``_BiasInProduct``'s way). With ``--split-u``, f1's three products (the weight gradient's with
 the bias in it, 16 columns) as one map against two, U's (width -> the first ``--u-width`` columns) and V, Q and K's
 (the rest), whose input gradients add up in the second product: what the split costs in products, against the
-U gradient's copy into its columns that it would save (the copy's traffic timed as a contiguous clone). Needs a
-GPU; torch only (neither the package nor TorchRec is imported).
+U gradient's copy into its columns that it would save (the copy's traffic timed as a contiguous clone). With
+``--host``, the host's time per call of each product as ``_BiasInProduct`` makes it (the forward's input a strided
+view of the input widened for the bias), the GPU kept busy so that no launch waits for it: at the same token count
+every call, at a new token count every call (a jagged training run's batches), and at fifteen counts in turn (the
+benchmark's batches, repeated). Needs a GPU; torch only (neither the package nor TorchRec is imported).
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 from kernel_ab import time_ms
@@ -95,6 +100,44 @@ def split_products(tokens: int, width: int, out: int, u_width: int, reps: int) -
     return [(name, time_ms(call, reps) * 1e3) for name, call in calls.items()]
 
 
+def host_us(call, rows: list[int]) -> float:
+    """Median host us of ``call(r)`` over the row counts ``rows``; before each call a queued sleep keeps the GPU
+    busy, so that the time is the host's (binding, cuBLAS's algorithm choice, the launch), not a wait."""
+    times = []
+    for r in rows:
+        torch.cuda._sleep(1_000_000)
+        start = time.perf_counter()
+        call(r)
+        times.append(time.perf_counter() - start)
+        if len(times) % 32 == 0:
+            torch.cuda.synchronize()  # a bounded queue
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def host_products(tokens: int, width: int, out: int, calls: int) -> list[tuple[str, float, float, float]]:
+    """(name, host us per call at one token count, at a new count every call, at fifteen counts in turn) of a
+    linear map's three products as ``_BiasInProduct`` makes them."""
+    dtype, device, most = torch.bfloat16, "cuda", tokens + 8 * calls
+    widened = widen(torch.randn(most, width, dtype=dtype, device=device), 16)
+    weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
+    bias = torch.randn(out, dtype=dtype, device=device)
+    dy = torch.randn(most, out, dtype=dtype, device=device)
+    products = {
+        "forward (addmm, strided input)": lambda r: torch.addmm(bias, widened[:r, :width], weight.t()),
+        "input gradient (dy @ W)": lambda r: dy[:r] @ weight,
+        "weight and bias gradients (dy^T @ [x, 1])": lambda r: dy[:r].t() @ widened[:r],
+    }
+    rows = []
+    for name, call in products.items():
+        host_us(call, [tokens] * 8)  # the first call of a shape
+        same = host_us(call, [tokens] * calls)
+        new = host_us(call, [tokens + 8 + 7 * i for i in range(calls)])
+        cycled = host_us(call, [tokens - 3 - 5 * (i % 15) for i in range(calls)])
+        rows.append((name, same, new, cycled))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=28541, help="tokens (the seed benchmark's mean per batch)")
@@ -109,10 +152,19 @@ def main():
     parser.add_argument("--bias-columns", type=int, nargs="*", default=[], help="columns added for the bias")
     parser.add_argument("--split-u", action="store_true", help="f1 as one map against U's and V, Q and K's maps")
     parser.add_argument("--u-width", type=int, default=SEED["num_heads"] * SEED["hidden_dim"], help="U's columns")
+    parser.add_argument("--host", action="store_true", help="the host's us per call: same, new and cycled row counts")
+    parser.add_argument("--host-calls", type=int, default=120, help="calls per row-count pattern with --host")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_shapes.py needs a GPU")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    if args.host:
+        print(f"host us per call (median of {args.host_calls}): same rows / a new row count each call / 15 in turn")
+        for map_name, out in (("f1", args.projection), ("f2", args.width)):
+            for name, same, new, cycled in host_products(args.tokens, args.width, out, args.host_calls):
+                shape = f"{map_name} {args.tokens} x {args.width} -> {out}"
+                print(f"{shape}: {name:<44} {same:7.1f} {new:7.1f} {cycled:7.1f}")
+        return
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     us = time_ms(lambda: a @ a, args.reps) * 1e3
     print(f"{'square 8192 x 8192 x 8192':<60} {us:9.1f} us {2 * 8192**3 / us / 1e6:7.1f} TFLOP/s")
