@@ -273,6 +273,14 @@ def cycled(batches, total):
     return (batches * (total // len(batches) + 1))[:total]
 
 
+GRAPH_WARM_PASSES = 4
+"""Untimed passes over the measured batches before a graphed row's timed windows. ``GraphedMethod`` captures a
+signature (a token capacity) after its third eager call, at the next step boundary: for a capacity that only the
+third pass's last batch met the third time, that is the next pass's first step, so a fourth pass keeps its
+capture (which synchronises and allocates) out of the timed windows; with three, one such capture landed in a
+timed window of the seed's graphed row (its spread, 42.6 ms per step, BENCHMARKS.md)."""
+
+
 def windowed(batches, warmup, repeats, warm_passes=0):
     """The user's path's batches and its timed windows' start: ``batches[:warmup]`` once, then the measured
     ones, ``batches[warmup:]``, for ``warm_passes`` untimed windows, ``repeats`` timed ones and the profiled
@@ -515,7 +523,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             balance,
             nonfinite,
             model_class,
-            warm_passes=3 if strategy_args.get("capture_graphs") else 0,  # as the Engine's graph rows
+            warm_passes=GRAPH_WARM_PASSES if strategy_args.get("capture_graphs") else 0,
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
@@ -534,7 +542,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                 measure_(
                     f"{best} + graphs (Engine)",
                     run,
-                    passes=3,  # GraphedMethod's warm-up: 3
+                    passes=GRAPH_WARM_PASSES,
                     plan=engine.plan,
                     gaps=bool(args.gaps),
                 )
