@@ -32,13 +32,20 @@ SEED = WORKLOADS["seed"]
 LAYERS = SEED["num_layers"]
 
 
-def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, float, float]]:
-    """(name, us per call, TFLOP/s) of a linear map's forward, input gradient and weight gradient."""
+def operands(rows: int, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear map's bf16 input ``[rows, width]``, weight ``[out, width]``, bias and output gradient ``[rows, out]``,
+    random, on the GPU."""
     dtype, device = torch.bfloat16, "cuda"
-    x = torch.randn(tokens, width, dtype=dtype, device=device)
+    x = torch.randn(rows, width, dtype=dtype, device=device)
     weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
     bias = torch.randn(out, dtype=dtype, device=device)
-    dy = torch.randn(tokens, out, dtype=dtype, device=device)
+    dy = torch.randn(rows, out, dtype=dtype, device=device)
+    return x, weight, bias, dy
+
+
+def products(tokens: int, width: int, out: int, reps: int) -> list[tuple[str, float, float]]:
+    """(name, us per call, TFLOP/s) of a linear map's forward, input gradient and weight gradient."""
+    x, weight, bias, dy = operands(tokens, width, out)
     flop = 2 * tokens * width * out
     calls = {
         "forward (addmm with bias)": lambda: torch.addmm(bias, x, weight.t()),
@@ -75,16 +82,12 @@ def bias_products(tokens: int, width: int, out: int, columns: list[int], reps: i
 def split_products(tokens: int, width: int, out: int, u_width: int, reps: int) -> list[tuple[str, float]]:
     """(name, us per call) of f1's forward, input gradient and weight gradient (input widened by 16 columns for
     the bias) as one map of ``out`` columns and as two maps of ``u_width`` and ``out - u_width`` columns."""
-    dtype, device = torch.bfloat16, "cuda"
-    x = torch.randn(tokens, width, dtype=dtype, device=device)
+    x, weight, bias, dy = operands(tokens, width, out)
     widened = widen(x, 16)
-    weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
-    bias = torch.randn(out, dtype=dtype, device=device)
-    dy = torch.randn(tokens, out, dtype=dtype, device=device)
     w_u, w_rest = weight[:u_width], weight[u_width:]
     b_u, b_rest = bias[:u_width], bias[u_width:]
     dy_u, dy_rest = dy[:, :u_width].contiguous(), dy[:, u_width:].contiguous()
-    dw = torch.empty(out, widened.shape[1], dtype=dtype, device=device)
+    dw = torch.empty(out, widened.shape[1], dtype=dy.dtype, device=dy.device)
     calls = {
         "one map: forward": lambda: torch.addmm(bias, x, weight.t()),
         "one map: input gradient": lambda: dy @ weight,
@@ -118,11 +121,8 @@ def host_us(call, rows: list[int]) -> float:
 def host_products(tokens: int, width: int, out: int, calls: int) -> list[tuple[str, float, float, float]]:
     """(name, host us per call at one token count, at a new count every call, at fifteen counts in turn) of a
     linear map's three products as ``_BiasInProduct`` makes them."""
-    dtype, device, most = torch.bfloat16, "cuda", tokens + 8 * calls
-    widened = widen(torch.randn(most, width, dtype=dtype, device=device), 16)
-    weight = torch.randn(out, width, dtype=dtype, device=device) / width**0.5
-    bias = torch.randn(out, dtype=dtype, device=device)
-    dy = torch.randn(most, out, dtype=dtype, device=device)
+    x, weight, bias, dy = operands(tokens + 8 * calls, width, out)  # rows enough for every count below
+    widened = widen(x, 16)
     products = {
         "forward (addmm, strided input)": lambda r: torch.addmm(bias, widened[:r, :width], weight.t()),
         "input gradient (dy @ W)": lambda r: dy[:r] @ weight,
