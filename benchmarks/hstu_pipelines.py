@@ -409,24 +409,43 @@ def _kernel_ms(profiler, steps) -> float:
     return sum(e.self_device_time_total for e in profiler.key_averages()) / 1e3 / steps
 
 
-def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False):
+def fresh_windows(batches, steps):
+    """``batches`` cut into windows of ``steps`` batches (``--fresh``), in order."""
+    return [batches[i : i + steps] for i in range(0, len(batches) - steps + 1, steps)]
+
+
+def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False, fresh=0):
     """``warm_passes``: passes over the measured batches before timing (graph capture needs each input
     signature, e.g. each token capacity, seen a few times first). ``gaps``: also the GPU's idle time between
-    kernels, from a profile with CPU ops (idle_gaps.py), after the kernel profile."""
+    kernels, from a profile with CPU ops (idle_gaps.py), after the kernel profile. ``fresh``: every window
+    (warm pass, timed window, profile) runs ``fresh`` batches of its own, the next of ``batches[warmup:]``
+    (``fresh_windows``), so that no timed step meets a batch, nor likely a token count, met before (as in a
+    training run); 0: every window runs all of ``batches[warmup:]``."""
     _reset_peak(device)
     run(batches[:warmup])
+    passes = warm_passes + repeats + 1 + bool(gaps)
+    windows = fresh_windows(batches[warmup:], fresh) if fresh else [batches[warmup:]] * passes
+    if len(windows) < passes:
+        raise ValueError(f"--fresh: {passes} windows of {fresh} batches needed after the warm-up, {len(windows)} made")
+    windows = iter(windows)
     for _ in range(warm_passes):
-        run(batches[warmup:])
-    times, records, before = [], None, _allocator_calls(device)
+        run(next(windows))
+    times, records, before, timed_batches = [], None, _allocator_calls(device), []
     for _ in range(repeats):
-        ms, extra = timed(run, batches[warmup:], device)
+        window = next(windows)
+        ms, extra = timed(run, window, device)
         times.append(ms)
+        timed_batches += window
         records = extra if isinstance(extra, list) else records
-    measured = batches[warmup:]
-    allocator = _allocator_calls_since(before, device, repeats * len(measured))
+    allocator = _allocator_calls_since(before, device, len(timed_batches))
+    measured = next(windows)
     kernel_ms, kernels = kernels_per_step(run, measured, device)
-    idle = idle_gaps(profile_trace(run, measured, device), len(measured)) if gaps and device.type == "cuda" else None
+    idle = (
+        idle_gaps(profile_trace(run, next(windows), device), len(measured)) if gaps and device.type == "cuda" else None
+    )
     return {
+        "timed": timed_batches,
+        "windows": times,
         "allocator": allocator,
         "gaps": idle,
         "mode": name,
@@ -507,7 +526,8 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
 
     def measure_(name, run, passes=0, plan=None, gaps=False):
-        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps)
+        fresh = args.steps if args.fresh else 0
+        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh)
 
     def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
         return measure_trainer(
@@ -588,7 +608,8 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     return results, model
 
 
-def report(say, results, model, measured, negatives, world, steps, kernels=0, gaps=0):
+def report(say, results, model, measured, negatives, world, steps, kernels=0, gaps=0, fresh=False):
+    """``fresh`` (``--fresh``): each row's MFU from the FLOPs of the batches its own timed windows ran."""
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
@@ -599,6 +620,7 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
     )
     for r in results:
         kernel = r["kernel_ms"]
+        own = step_flops(model, r["timed"], negatives) if fresh and r.get("timed") else flops
         global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
@@ -607,9 +629,13 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
             f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} "
             f"{32e3 / r['ms']:>9.0f}{global_rate} "
             f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
-            f"{mfu(r, flops):>6.1%} {mfu(r, flops) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
+            f"{mfu(r, own):>6.1%} {mfu(r, own) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
             f"{thread_host_ms(r['records'], r['record_steps'])}"
         )
+    for r in results:
+        if len(r.get("windows", ())) > 1:
+            windows = ", ".join(f"{ms:.2f}" for ms in r["windows"])
+            say(f"ms per step in each timed window of '{r['mode']}', in order: {windows}")
     for r in results if kernels else ():
         if r.get("kernels"):
             launches = sum(count for _, _, count in r["kernels"])
@@ -689,6 +715,13 @@ def main():
         "ops and shapes (idle_gaps.py)",
     )
     parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="every timed window (and warm pass and profile) of the rows driven directly runs --steps batches of "
+        "its own, none met before, as a training run's are (their token counts new to cuBLAS's and Inductor's "
+        "caches); without it each window runs the same --steps batches",
+    )
+    parser.add_argument(
         "--kernels",
         type=int,
         default=0,
@@ -751,6 +784,8 @@ def main():
     args = parser.parse_args()
     excluded = {"user": args.no_user_path, "lightning": args.no_lightning, "pipeline": args.no_pipeline}
     args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
+    if args.fresh and set(args.rows) & {"user", "lightning"}:
+        parser.error("--fresh times the rows driven directly (--rows plain engine pipeline), not the Trainer's")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
@@ -770,7 +805,9 @@ def main():
     )
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
-        batches = make_batches(args.warmup + args.steps, 32, sizes["max_len"], num_items, negatives, seed=rank)
+        windows = GRAPH_WARM_PASSES + args.repeats + 1 + bool(args.gaps) if args.fresh else 1
+        count = args.warmup + args.steps * windows
+        batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
         blocks = itertools.product(
             args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group
@@ -794,7 +831,18 @@ def main():
                 say(f"out of memory: {str(error).splitlines()[0]}")
                 torch.cuda.empty_cache()
                 continue
-            report(say, results, model, batches[args.warmup :], negatives, world, args.steps, args.kernels, args.gaps)
+            report(
+                say,
+                results,
+                model,
+                batches[args.warmup :],
+                negatives,
+                world,
+                args.steps,
+                args.kernels,
+                args.gaps,
+                args.fresh,
+            )
     dist.destroy_process_group()
 
 

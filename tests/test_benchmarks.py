@@ -36,6 +36,35 @@ def test_every_timed_window_runs_the_measured_batches_in_order(warm_passes):
     assert data[warmup:timed_from] == batches[warmup:] * warm_passes  # untimed windows, as measure's passes
 
 
+@pytest.mark.parametrize("fresh", [0, 10])
+def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
+    """``--fresh``: each window of a row driven directly (warm passes, timed windows, profile) runs batches of its
+    own, in order, so that no timed step meets a batch an earlier step met (a training run's token counts); the
+    row's MFU is taken over its timed windows' batches. Without it each window runs every measured batch."""
+    warmup, steps, repeats, warm_passes = 5, 10, 3, 2
+    windows = warm_passes + repeats + 1 if fresh else 1
+    batches = list(range(warmup + steps * windows))
+    ran = []
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (float(len(ran)), run(window)))
+    result = hstu_pipelines.measure(
+        "row", ran.append, batches, warmup, repeats, torch.device("cpu"), warm_passes, fresh=fresh
+    )
+    assert ran[0] == batches[:warmup] and len(ran) == 1 + warm_passes + repeats + 1
+    if fresh:
+        assert sum(ran[1:], []) == batches[warmup:]  # every batch once, window after window
+        assert result["timed"] == batches[warmup + warm_passes * steps : warmup + (warm_passes + repeats) * steps]
+    else:
+        assert all(window == batches[warmup:] for window in ran[1:])
+        assert result["timed"] == batches[warmup:] * repeats
+    assert result["windows"] == [float(1 + warm_passes + i) for i in range(repeats)]  # each timed window's ms
+
+
+def test_fresh_refuses_too_few_batches():
+    with pytest.raises(ValueError, match="--fresh: 6 windows of 10 batches needed after the warm-up, 5 made"):
+        hstu_pipelines.measure("row", list, list(range(55)), 5, 3, torch.device("cpu"), 2, fresh=10)
+
+
 def test_the_allocator_calls_of_a_users_path_row_are_those_of_its_timed_windows(monkeypatch):
     """The caching allocator's calls per step that a user's-path row reports (as the Engine rows report theirs)
     are counted over its timed windows only: not over warm-up, untimed or profiled steps."""
@@ -64,8 +93,15 @@ def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
     args += ["--warmup", "2", "--repeats", "2"]
     run = run_script(script, script.parent, *args, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    table = run.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    lines = run.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    windowed = "ms per step in each timed window of "
+    table = [line for line in lines if not line.startswith(windowed)]
     times = {line[:25].strip(): float(line[25:].split()[0]) for line in table}
+    windows = {
+        line[len(windowed) :].split("'")[1]: line.split(": ")[-1].split(", ") for line in lines if line not in table
+    }
+    direct = ["plain loop", "legacy_none (Engine)", "default_d6 (Engine)", "TrainPipelineSparseDist"]
+    assert sorted(windows) == sorted(direct) and all(len(w) == 2 for w in windows.values())  # --repeats 2
     fastest = min(("legacy_none", "default_d6"), key=lambda preset: times[f"{preset} (Engine)"])  # checks the loss
     modes = ["plain loop", "legacy_none (Engine)", "default_d6 (Engine)", "legacy_none", "default_d6"]
     assert list(times) == [*modes, f"{fastest}, stop", "Lightning loop", "TrainPipelineSparseDist"]
