@@ -40,7 +40,8 @@ def test_every_timed_window_runs_the_measured_batches_in_order(warm_passes):
 def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
     """``--fresh``: each window of a row driven directly (warm passes, timed windows, profile) runs batches of its
     own, in order, so that no timed step meets a batch an earlier step met (a training run's token counts); the
-    row's MFU is taken over its timed windows' batches. Without it each window runs every measured batch."""
+    row's timed batches (whose FLOPs its MFU takes) are its timed windows'. Without it each window runs every
+    measured batch."""
     warmup, steps, repeats, warm_passes = 5, 10, 3, 2
     windows = warm_passes + repeats + 1 if fresh else 1
     batches = list(range(warmup + steps * windows))
