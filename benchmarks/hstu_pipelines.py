@@ -281,6 +281,12 @@ capture (which synchronises and allocates) out of the timed windows; with three,
 timed window of the seed's graphed row (its spread, 42.6 ms per step, BENCHMARKS.md)."""
 
 
+def window_count(warm_passes, repeats, gaps=False) -> int:
+    """The windows a row runs over the measured batches after its warm-up: its untimed passes, its timed
+    windows, the kernel profile and, with ``gaps``, the idle gaps' profile."""
+    return warm_passes + repeats + 1 + bool(gaps)
+
+
 def windowed(batches, warmup, repeats, warm_passes=0):
     """The user's path's batches and its timed windows' start: ``batches[:warmup]`` once, then the measured
     ones, ``batches[warmup:]``, for ``warm_passes`` untimed windows, ``repeats`` timed ones and the profiled
@@ -288,7 +294,7 @@ def windowed(batches, warmup, repeats, warm_passes=0):
     them would bring warm-up batches into the later windows). Returns the batches and the steps before the
     first timed window."""
     steps = len(batches) - warmup
-    return batches[:warmup] + batches[warmup:] * (warm_passes + repeats + 1), warmup + warm_passes * steps
+    return batches[:warmup] + batches[warmup:] * window_count(warm_passes, repeats), warmup + warm_passes * steps
 
 
 def user_path_trainer(strategy, device, total, callbacks) -> pl.Trainer:
@@ -423,7 +429,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     training run); 0: every window runs all of ``batches[warmup:]``."""
     _reset_peak(device)
     run(batches[:warmup])
-    passes = warm_passes + repeats + 1 + bool(gaps)
+    passes = window_count(warm_passes, repeats, gaps)
     windows = fresh_windows(batches[warmup:], fresh) if fresh else [batches[warmup:]] * passes
     if len(windows) < passes:
         raise ValueError(f"--fresh: {passes} windows of {fresh} batches needed after the warm-up, {len(windows)} made")
@@ -805,7 +811,7 @@ def main():
     )
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
-        windows = GRAPH_WARM_PASSES + args.repeats + 1 + bool(args.gaps) if args.fresh else 1
+        windows = window_count(GRAPH_WARM_PASSES, args.repeats, args.gaps) if args.fresh else 1
         count = args.warmup + args.steps * windows
         batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
