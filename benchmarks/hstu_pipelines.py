@@ -63,6 +63,8 @@ from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_ada
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
 """H200 dense bf16: the datasheet's peak, and what a large bf16 matrix product reaches on that machine."""
+ROUND_TOKENS = {"auto": None, "on": True, "off": False}
+"""``--round-tokens``: HSTURecommender's ``round_tokens`` by name."""
 SMALL = dict(max_len=32, embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8)
 
 
@@ -111,6 +113,7 @@ def model_sizes(sizes, attention="auto") -> dict:
         retrieval_loss="sampled",
         compile_layers=sizes.get("compile_layers", False),
         autocast_residual=sizes.get("autocast_residual", True),
+        round_tokens=sizes.get("round_tokens"),
         input_dist_group=sizes.get("input_dist_group", "world"),
     )  # 16 sampled negatives per history
 
@@ -780,6 +783,14 @@ def main():
         "in float32",
     )
     parser.add_argument(
+        "--round-tokens",
+        nargs="+",
+        default=["auto"],
+        choices=list(ROUND_TOKENS),
+        help="HSTURecommender(round_tokens=...): the eager step's jagged rows grown to a token capacity (auto: "
+        "where the fused attention runs) or left at each batch's count",
+    )
+    parser.add_argument(
         "--input-dist-group",
         nargs="+",
         default=["world"],
@@ -816,13 +827,14 @@ def main():
         batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
         blocks = itertools.product(
-            args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group
+            args.attention, args.shuffler, args.compile_layers, args.residual, args.round_tokens, args.input_dist_group
         )
-        for attention, shuffler, compiled, residual, input_group in blocks:
+        for attention, shuffler, compiled, residual, rounded, input_group in blocks:
             sizes = {
                 **sizes,
                 "compile_layers": compiled == "on",
                 "autocast_residual": residual == "autocast",
+                "round_tokens": ROUND_TOKENS[rounded],
                 "input_dist_group": input_group,
             }
             say(
