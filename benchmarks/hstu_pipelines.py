@@ -63,8 +63,6 @@ from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_ada
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
 """H200 dense bf16: the datasheet's peak, and what a large bf16 matrix product reaches on that machine."""
-ROUND_TOKENS = {"auto": None, "on": True, "off": False}
-"""``--round-tokens``: HSTURecommender's ``round_tokens`` by name."""
 SMALL = dict(max_len=32, embedding_dim=16, num_layers=1, num_heads=2, attention_dim=8, hidden_dim=8)
 
 
@@ -113,7 +111,6 @@ def model_sizes(sizes, attention="auto") -> dict:
         retrieval_loss="sampled",
         compile_layers=sizes.get("compile_layers", False),
         autocast_residual=sizes.get("autocast_residual", True),
-        round_tokens=sizes.get("round_tokens"),
         input_dist_group=sizes.get("input_dist_group", "world"),
     )  # 16 sampled negatives per history
 
@@ -454,6 +451,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     )
     return {
         "timed": timed_batches,
+        "profiled": measured,
         "windows": times,
         "allocator": allocator,
         "gaps": idle,
@@ -618,7 +616,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
 
 
 def report(say, results, model, measured, negatives, world, steps, kernels=0, gaps=0, fresh=False):
-    """``fresh`` (``--fresh``): each row's MFU from the FLOPs of the batches its own timed windows ran."""
+    """``fresh`` (``--fresh``): each row's MFU from the FLOPs of the batches its own timed windows ran; its
+    kernel profile ran other batches, so no step/kernel ratio and no time outside kernels (the profiled
+    batches' FLOPs instead, beside the timed ones')."""
     flops = step_flops(model, measured, negatives)
     global_column = f" {'global/s':>9}" if world > 1 else ""
     say(f"model {flops / 1e12:.3f} TFLOP per step (rank 0's batches)")
@@ -634,10 +634,11 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
         exposed = "-" if exposed is None else f"{exposed:.2f}"
+        step_per_kernel = "-" if not kernel or fresh else f"{ratio(r):.2f}"  # --fresh: other batches profiled
         say(
             f"{r['mode']:<25} {r['ms']:>8.2f} {r['best']:>6.2f} {r['spread']:>7.2f} "
             f"{32e3 / r['ms']:>9.0f}{global_rate} "
-            f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {'-' if not kernel else f'{ratio(r):11.2f}':>11} "
+            f"{'-' if kernel is None else f'{kernel:9.2f}':>9} {step_per_kernel:>11} "
             f"{mfu(r, own):>6.1%} {mfu(r, own) * PEAK_TFLOPS / MEASURED_TFLOPS:>6.1%} {peak:>8} {exposed:>7}  "
             f"{thread_host_ms(r['records'], r['record_steps'])}"
         )
@@ -648,10 +649,15 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
     for r in results if kernels else ():
         if r.get("kernels"):
             launches = sum(count for _, _, count in r["kernels"])
+            if fresh and r.get("profiled"):
+                profiled, timed_flops = (step_flops(model, r[k], negatives) / 1e12 for k in ("profiled", "timed"))
+                beside = f"batches of their own, {profiled:.3f} TFLOP per step against the timed {timed_flops:.3f}"
+            else:
+                outside = r["ms"] - r["kernel_ms"]
+                beside = f"the step's {outside:.2f} ms outside kernels are {outside * 1e3 / launches:.2f} us per launch"
             say(
                 f"the {kernels} heaviest GPU kernels of '{r['mode']}' per step (of {r['kernel_ms']:.2f} ms in "
-                f"{launches:.0f} launches; the step's {r['ms'] - r['kernel_ms']:.2f} ms outside kernels are "
-                f"{(r['ms'] - r['kernel_ms']) * 1e3 / launches:.2f} us per launch):"
+                f"{launches:.0f} launches; {beside}):"
             )
             for name, ms, launches in r["kernels"][:kernels]:
                 say(f"  {ms:8.3f} ms {ms / r['kernel_ms']:6.1%} {launches:6.1f}x  {name[:110]}")
@@ -783,14 +789,6 @@ def main():
         "in float32",
     )
     parser.add_argument(
-        "--round-tokens",
-        nargs="+",
-        default=["auto"],
-        choices=list(ROUND_TOKENS),
-        help="HSTURecommender(round_tokens=...): the eager step's jagged rows grown to a token capacity (auto: "
-        "where the fused attention runs) or left at each batch's count",
-    )
-    parser.add_argument(
         "--input-dist-group",
         nargs="+",
         default=["world"],
@@ -827,14 +825,13 @@ def main():
         batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
         blocks = itertools.product(
-            args.attention, args.shuffler, args.compile_layers, args.residual, args.round_tokens, args.input_dist_group
+            args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group
         )
-        for attention, shuffler, compiled, residual, rounded, input_group in blocks:
+        for attention, shuffler, compiled, residual, input_group in blocks:
             sizes = {
                 **sizes,
                 "compile_layers": compiled == "on",
                 "autocast_residual": residual == "autocast",
-                "round_tokens": ROUND_TOKENS[rounded],
                 "input_dist_group": input_group,
             }
             say(

@@ -105,8 +105,8 @@ def main():
         if args.capacity:  # each history's first row is its user's; the events are the rest
             histories = len(lengths)
             rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
-            x = graphs.with_zero_rows(x.detach(), rows).requires_grad_()  # a leaf, as the ungrown input is
-            grad, times = graphs.with_zero_rows(grad, rows), graphs.with_zero_rows(times, rows)
+            x = graphs._grown(x.detach(), rows).requires_grad_()  # a leaf, as the ungrown input is
+            grad, times = graphs._grown(grad, rows), graphs._grown(times, rows)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -66,6 +66,33 @@ def test_fresh_refuses_too_few_batches():
         hstu_pipelines.measure("row", list, list(range(55)), 5, 3, torch.device("cpu"), 2, fresh=10)
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_under_fresh_the_kernel_profile_is_not_set_against_other_batches_step_time(fresh):
+    """A row's kernel profile ran a window of its own: without ``--fresh`` the measured batches again, so the
+    step's time outside kernels is the step time minus it; under ``--fresh`` other batches than the timed
+    ones, so the report gives no step/kernel ratio and no time outside kernels, but both windows' FLOPs."""
+    from lightning_hstu.models.hstu import HSTURecommender
+
+    batches = hstu_pipelines.make_batches(8, 32, 32, 1000, 16)
+    model = HSTURecommender(**hstu_pipelines.model_sizes(hstu_pipelines.SMALL), num_items=1000)
+    timed, profiled = batches[:4], batches[4:]
+    result = dict(
+        mode="row", ms=50.0, best=49.0, spread=2.0, kernel_ms=40.0, kernels=[("gemm", 40.0, 10.0)], timed=timed,
+        profiled=profiled, records=None, plan=None, record_steps=4, peak_gib=None, windows=[50.0],
+    )  # fmt: skip
+    lines = []
+    hstu_pipelines.report(lines.append, [result], model, timed, 16, 1, 4, kernels=1, fresh=fresh)
+    row = next(line for line in lines if line.startswith("row "))
+    heaviest = next(line for line in lines if line.startswith("the 1 heaviest"))
+    assert row.split()[6] == ("-" if fresh else "1.25")  # step/kernel
+    if fresh:
+        tflops = [hstu_pipelines.step_flops(model, b, 16) / 1e12 for b in (profiled, timed)]
+        assert f"batches of their own, {tflops[0]:.3f} TFLOP per step against the timed {tflops[1]:.3f}" in heaviest
+        assert "outside kernels" not in heaviest and tflops[0] != tflops[1]
+    else:
+        assert "the step's 10.00 ms outside kernels are 1000.00 us per launch" in heaviest
+
+
 def test_the_allocator_calls_of_a_users_path_row_are_those_of_its_timed_windows(monkeypatch):
     """The caching allocator's calls per step that a user's-path row reports (as the Engine rows report theirs)
     are counted over its timed windows only: not over warm-up, untimed or profiled steps."""

@@ -24,7 +24,6 @@ from small_hstu import SMALL_MODEL, lengths_apart, small_data
 
 from lightning_hstu import HSTUPipelineStrategy, TaskError
 from lightning_hstu.hstu.batch import HSTUBatch
-from lightning_hstu.hstu.graphs import token_capacity
 from lightning_hstu.hstu.sparse import ShardedEmbeddings
 from lightning_hstu.hstu.step import global_token_loss, global_tokens, in_bags, sparse_features
 from lightning_hstu.models.hstu import HSTURecommender, embedding_tables
@@ -531,57 +530,6 @@ def test_the_full_softmax_refuses_embeddings_looked_up_without_the_item_table():
         rf"\({rows} rows\); these embeddings have 32 'item_neg' rows",
     ):
         model.objectives(batch, fake)  # 8 histories x 4 sampled negatives
-
-
-@pytest.mark.parametrize("retrieval", ["full", "sampled", "in_batch"])
-def test_round_tokens_grows_the_jagged_rows_to_a_token_capacity_and_leaves_every_loss_and_gradient_alone(retrieval):
-    """``round_tokens=True``: the losses get the batch's events grown with zero rows to their token capacity
-    (the counts the CUDA graphs are captured for), and the losses and every gradient (the dense weights, each
-    looked-up embedding row) are those of the exact rows. The default (None) leaves the rows as they are
-    where the grouped attention runs (the CPU) and grows them where the fused kernel runs."""
-    data = small_data()
-    data.setup()
-    model = HSTURecommender(
-        **SMALL_MODEL, num_items=data.num_items, num_users=data.num_users, retrieval_loss=retrieval, attention="grouped"
-    )
-    objectives = model.objectives
-    most = objectives.max_events * data.batch_size
-    batch = next(
-        b
-        for b in data.train_dataloader()
-        if token_capacity(int(b.sequence_lengths().sum()), most) > b.sequence_lengths().sum()
-    )
-    events = int(batch.sequence_lengths().sum())
-    features = model.sparse_features(batch)
-    gen = torch.Generator().manual_seed(0)
-    looked_up = {
-        key: torch.randn(len(features[key].values()), SMALL_MODEL["embedding_dim"], generator=gen)
-        for key in ("item", "item_neg", "action", "user")
-    }
-    rows_seen, losses = [], objectives.losses
-
-    def seen(*inputs):
-        rows_seen.append(len(inputs[0]))
-        return losses(*inputs)
-
-    objectives.losses = seen
-    results = []
-    for round_tokens in (True, False, None):
-        objectives.round_tokens = round_tokens
-        objectives.zero_grad()
-        leaves = {key: values.clone().requires_grad_() for key, values in looked_up.items()}
-        embeddings = {key: JaggedTensor(values=v, lengths=features[key].lengths()) for key, v in leaves.items()}
-        retrieval_loss, ranking_loss = objectives(batch, embeddings)
-        (retrieval_loss + ranking_loss).backward()
-        grads = [p.grad.clone() for p in objectives.parameters()] + [leaves[key].grad for key in sorted(leaves)]
-        results.append([retrieval_loss.detach(), ranking_loss.detach(), *grads])
-    assert rows_seen == [token_capacity(events, most), events, events]
-    for rounded, exact in zip(results[0], results[1]):
-        torch.testing.assert_close(rounded, exact, rtol=1e-5, atol=1e-6)
-    assert objectives.rounds_tokens(torch.device("cpu")) is False  # round_tokens=None: grouped on the CPU
-    fused = HSTURecommender(**SMALL_MODEL, attention="fused").objectives
-    assert fused.rounds_tokens(torch.device("cuda"))
-    assert not HSTURecommender(**SMALL_MODEL, attention="padded").objectives.rounds_tokens(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("engine", [True, False])

@@ -92,7 +92,7 @@ class GraphedMethod:
             # The graph's outputs are its static buffers, overwritten by the next replay: hand out copies.
             return tuple(out.clone() for out in _Replay.apply(graphs, grown, *args, *self._passed))
         self.eager_calls += 1
-        args = tuple(with_zero_rows(a, rows) if i in grown else a for i, a in enumerate(args))
+        args = tuple(_grown(a, rows) if i in grown else a for i, a in enumerate(args))
         if args and args[0].is_cuda and torch.is_grad_enabled():
             self._calls[signature] += 1
             if signature not in self._samples and len(self.graphs) < self.max_graphs:
@@ -364,7 +364,7 @@ def _alias(parameter: nn.Parameter) -> torch.Tensor:
     return parameter.detach().requires_grad_(parameter.requires_grad)
 
 
-def with_zero_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
+def _grown(values: torch.Tensor, rows: int) -> torch.Tensor:
     """``values`` with zero rows appended up to ``rows``."""
     if rows == len(values):
         return values

@@ -30,7 +30,7 @@ from ..data.evaluation import held_items
 from ..engine import SKIPPED, BatchView
 from ..hstu.batch import HSTUBatch, check_table_sizes
 from ..hstu.dense_grads import MegatronDenseGrads
-from ..hstu.graphs import GraphedAdamW, GraphedMethod, token_capacity, with_zero_rows
+from ..hstu.graphs import GraphedAdamW, GraphedMethod, token_capacity
 from ..hstu.shuffler import BalancedShuffler, shuffle_group
 from ..hstu.sparse import TABLES_AHEAD, ShardedEmbeddings, check_input_dist_group
 from ..hstu.step import LOOKUP_KEYS, dense_losses, global_token_scale, global_tokens, sparse_features
@@ -101,10 +101,8 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
     ``sparse_optimizer`` and ``sparse_lr`` for the tables. Speed: ``input_dist_group`` (``INPUT_DIST_GROUPS``:
     the tables' input all-to-alls on the step's process group, or on one of their own), ``attention``
     (``ATTENTION``), ``compile_layers`` (``HSTUConfig``: the layers' token-wise parts through ``torch.compile``
-    where the fused attention runs on CUDA), ``autocast_residual`` (``HSTUConfig``: under autocast the
-    residual stream in its dtype; False keeps it in float32) and ``round_tokens`` (``HSTUObjectives.rounds_tokens``:
-    the eager step's jagged rows grown to one of a few token capacities, so that the matrix products meet few
-    shapes; None, the default, where the fused attention runs). Evaluated by ``RankingEvaluation``."""
+    where the fused attention runs on CUDA) and ``autocast_residual`` (``HSTUConfig``: under autocast the
+    residual stream in its dtype; False keeps it in float32). Evaluated by ``RankingEvaluation``."""
 
     def __init__(
         self,
@@ -138,7 +136,6 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
         autocast_residual: bool = True,
         history_logit: bool = False,
         lr_schedule: str = "constant",
-        round_tokens: bool | None = None,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -181,7 +178,6 @@ class HSTURecommender(RankingEvaluation, pl.LightningModule):
             resolve_retrieval(retrieval_loss, num_items),
             ranking_weight,
             history_logit,
-            round_tokens,
         )
         self.objectives.catalogue = num_items + 1 if num_items else None
         self.embeddings: ShardedEmbeddings | None = None
@@ -788,13 +784,12 @@ class HSTUObjectives(nn.Module):
         retrieval: str = "sampled",
         ranking_weight: float = 1.0,
         history_logit: bool = False,
-        round_tokens: bool | None = None,
     ):
         super().__init__()
         if retrieval not in RETRIEVAL_LOSSES[1:]:
             raise ValueError(f"unknown retrieval loss {retrieval!r}; valid: {', '.join(RETRIEVAL_LOSSES[1:])}")
         self.embedding_dim, self.temperature, self.attention = config.embedding_dim, temperature, attention
-        self.retrieval, self.ranking_weight, self.round_tokens = retrieval, ranking_weight, round_tokens
+        self.retrieval, self.ranking_weight = retrieval, ranking_weight
         self.catalogue: int | None = None
         """Rows of the item table (items + 1), once known: what the full softmax scores against."""
         self.max_events = config.max_seq_len - 1  # the user token takes one position
@@ -861,30 +856,8 @@ class HSTUObjectives(nn.Module):
         return "fused" if importlib.util.find_spec("triton") is not None else "padded"
 
     def forward(self, batch: HSTUBatch, embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed retrieval and (weighted) ranking losses over every position of every history; the jagged
-        inputs grown to their token capacity where ``rounds_tokens``."""
-        inputs = self.dense_inputs(batch, embeddings)
-        if isinstance(inputs, JaggedInputs) and self.rounds_tokens(inputs.events.device):
-            inputs = self.grown(inputs)
-        return self.losses(*inputs)
-
-    def rounds_tokens(self, device: torch.device) -> bool:
-        """Whether ``forward`` grows the jagged layout's event rows with zero rows to their token capacity
-        (``token_capacity``: thirty-two per power of two, at most 3.125% more rows, the capacities a CUDA graph
-        is captured for) on ``device``: ``round_tokens``, or where it is None, where the fused kernel runs.
-        Each new row count costs every matrix product of the step 90-160 us of cuBLAS's host time the first
-        time it meets it, and a training run's batches bring a new count nearly every step: on the seed's
-        shape (H100) such a run's step waited on the host, 52.5 ms per step at 30.0% MFU against 47.6 ms at
-        33.1% with the rows grown (BENCHMARKS.md); on batches met before, growing costs 0.3-0.6 ms."""
-        if self.round_tokens is not None:
-            return self.round_tokens
-        return self.layout(device) == "fused"
-
-    def grown(self, inputs: JaggedInputs) -> JaggedInputs:
-        """``inputs`` with the token-wise tensors grown with zero rows to their token capacity
-        (``graph_growth``), which the layout reads as rows past the real ones: the same losses."""
-        rows, grown = self.graph_growth(inputs)
-        return JaggedInputs(*(with_zero_rows(t, rows) if i in grown else t for i, t in enumerate(inputs)))
+        """Summed retrieval and (weighted) ranking losses over every position of every history."""
+        return self.losses(*self.dense_inputs(batch, embeddings))
 
     def dense_inputs(
         self, batch: HSTUBatch, embeddings, static: bool = False, training: bool = True
