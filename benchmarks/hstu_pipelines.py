@@ -627,9 +627,11 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         f"{'step/kernel':>11} {'MFU':>6} {'of 790':>6} {'peak GiB':>8} {'exposed':>7}  host ms/step per engine thread "
         f"(rank 0)"
     )
+    own_flops = {  # per row: the FLOPs of the batches its timed windows ran
+        r["mode"]: step_flops(model, r["timed"], negatives) if fresh and r.get("timed") else flops for r in results
+    }
     for r in results:
-        kernel = r["kernel_ms"]
-        own = step_flops(model, r["timed"], negatives) if fresh and r.get("timed") else flops
+        kernel, own = r["kernel_ms"], own_flops[r["mode"]]
         global_rate = f" {world * 32e3 / r['ms']:>9.0f}" if world > 1 else ""
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         exposed = exposed_side_chain_ms(r["records"], r["plan"], r["record_steps"])
@@ -650,8 +652,11 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         if r.get("kernels"):
             launches = sum(count for _, _, count in r["kernels"])
             if fresh and r.get("profiled"):
-                profiled, timed_flops = (step_flops(model, r[k], negatives) / 1e12 for k in ("profiled", "timed"))
-                beside = f"batches of their own, {profiled:.3f} TFLOP per step against the timed {timed_flops:.3f}"
+                profiled, timed_flops = step_flops(model, r["profiled"], negatives), own_flops[r["mode"]]
+                beside = (
+                    f"batches of their own, {profiled / 1e12:.3f} TFLOP per step against the timed "
+                    f"{timed_flops / 1e12:.3f}"
+                )
             else:
                 outside = r["ms"] - r["kernel_ms"]
                 beside = f"the step's {outside:.2f} ms outside kernels are {outside * 1e3 / launches:.2f} us per launch"
