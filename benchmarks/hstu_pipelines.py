@@ -436,13 +436,14 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     windows = iter(windows)
     for _ in range(warm_passes):
         run(next(windows))
-    times, records, before, timed_batches = [], None, _allocator_calls(device), []
+    times, records, record_steps, before, timed_batches = [], None, 0, _allocator_calls(device), []
     for _ in range(repeats):
         window = next(windows)
         ms, extra = timed(run, window, device)
         times.append(ms)
         timed_batches += window
-        records = extra if isinstance(extra, list) else records
+        if isinstance(extra, list):  # the engine's task records of this window's steps
+            records, record_steps = extra, len(window)
     allocator = _allocator_calls_since(before, device, len(timed_batches))
     measured = next(windows)
     kernel_ms, kernels = kernels_per_step(run, measured, device)
@@ -462,7 +463,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         "kernel_ms": kernel_ms,
         "kernels": kernels,
         "records": records,
-        "record_steps": len(batches) - warmup,
+        "record_steps": record_steps,
         "peak_gib": _peak_gib(device),
         "plan": plan,
     }

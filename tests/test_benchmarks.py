@@ -5,6 +5,7 @@ path's cost, not the batches' lengths), and its CPU run times every mode."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,6 +60,26 @@ def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
         assert all(window == batches[warmup:] for window in ran[1:])
         assert result["timed"] == batches[warmup:] * repeats
     assert result["windows"] == [float(1 + warm_passes + i) for i in range(repeats)]  # each timed window's ms
+
+
+@pytest.mark.parametrize("fresh", [0, 10])
+def test_an_engine_rows_host_time_per_thread_is_per_step_of_the_window_its_records_cover(fresh, monkeypatch):
+    """An Engine row's host ms per step of each thread (and its exposed side chain) divide the task records of
+    its last timed window by that window's steps, under ``--fresh`` too, where the batches after the warm-up
+    are those of every window."""
+    warmup, steps, repeats, warm_passes = 5, 10, 3, 2
+    windows = warm_passes + repeats + 1 if fresh else 1
+    batches = list(range(warmup + steps * windows))
+    record = SimpleNamespace(thread="main", duration=0.004)  # 4 ms of the main thread's host time a step
+
+    def run(window):
+        return [record] * len(window)  # the engine's task records of the steps it ran
+
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (None, []))
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (1.0, run(window)))
+    result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), warm_passes, fresh=fresh)
+    assert result["record_steps"] == steps
+    assert hstu_pipelines.thread_host_ms(result["records"], result["record_steps"]) == "main=4.00"
 
 
 def test_fresh_refuses_too_few_batches():
