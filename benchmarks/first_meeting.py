@@ -20,8 +20,7 @@ import time
 from collections import defaultdict
 
 import torch
-from hstu_stack import WORKLOADS, graphs, layers
-from kernel_ab import lengths_for, make_inputs
+from hstu_stack import WORKLOADS, batch_inputs, build_stack
 
 ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 PRODUCTS = ("aten::mm", "aten::addmm")
@@ -30,16 +29,7 @@ WARM_SEEDS = (100, 101, 102)
 
 def batch_step(stack, sizes: dict, seed: int, capacity: bool):
     """(token count, rows, step) of the batch of lengths ``seed``: ``step()`` runs its forward and backward."""
-    lengths = lengths_for(32, sizes["max_len"], seed=seed)
-    n = int(lengths.sum())
-    tokens, _, grad, offsets, times = make_inputs(lengths, 1, sizes["embedding_dim"], torch.float32, seed=seed)
-    x, grad = tokens.view(n, -1), grad.detach().view(n, -1)  # one "head" as wide as the model
-    rows = n
-    if capacity:  # as hstu_stack.py --capacity: each history's first row is its user's, the events the rest
-        histories = len(lengths)
-        rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
-        x = graphs._grown(x.detach(), rows).requires_grad_()
-        grad, times = graphs._grown(grad, rows), graphs._grown(times, rows)
+    _, n, rows, x, grad, offsets, times = batch_inputs(sizes, seed, capacity)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -80,14 +70,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the fused attention kernel, compiled layers, bf16 autocast)")
-    sizes = WORKLOADS[args.workload]
-    torch.manual_seed(0)
-    config = layers.HSTUConfig(
-        **{key: value for key, value in sizes.items() if key != "max_len"},
-        max_seq_len=sizes["max_len"],
-        compile_layers=True,
-    )
-    stack = layers.HSTUStack(config).cuda()
+    sizes, stack = build_stack(args.workload)
     for seed in WARM_SEEDS:
         step = batch_step(stack, sizes, seed, args.capacity)[2]
         for _ in range(3):

@@ -48,6 +48,36 @@ def stack_flops(lengths: list[int], sizes: dict) -> int:
     return 3 * sizes["num_layers"] * per_layer
 
 
+def build_stack(workload: str, compile_layers: bool = True, autocast_residual: bool = True):
+    """(sizes, ``HSTUStack`` on the GPU) of ``workload``, its weights seeded."""
+    sizes = WORKLOADS[workload]
+    torch.manual_seed(0)
+    config = layers.HSTUConfig(
+        **{key: value for key, value in sizes.items() if key != "max_len"},
+        max_seq_len=sizes["max_len"],
+        compile_layers=compile_layers,
+        autocast_residual=autocast_residual,
+    )
+    return sizes, layers.HSTUStack(config).cuda()
+
+
+def batch_inputs(sizes: dict, seed: int, capacity: bool = False):
+    """(lengths, token count, rows, x, output gradient, offsets, timestamps) of the batch of lengths ``seed``: its
+    tokens one "head" as wide as the model; with ``capacity`` its rows grown to a graphed step's count
+    (``token_capacity`` of the events, plus a user row per history), zero rows past the last history."""
+    lengths = lengths_for(32, sizes["max_len"], seed=seed)
+    n = int(lengths.sum())
+    tokens, _, grad, offsets, times = make_inputs(lengths, 1, sizes["embedding_dim"], torch.float32, seed=seed)
+    x, grad = tokens.view(n, -1), grad.detach().view(n, -1)
+    rows = n
+    if capacity:  # each history's first row is its user's; the events are the rest
+        histories = len(lengths)
+        rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
+        x = graphs._grown(x.detach(), rows).requires_grad_()  # a leaf, as the ungrown input is
+        grad, times = graphs._grown(grad, rows), graphs._grown(times, rows)
+    return lengths, n, rows, x, grad, offsets, times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="seed", choices=list(WORKLOADS))
@@ -85,28 +115,11 @@ def main():
             parser.error(f"--inductor {setting}: the value must be a Python literal (a number, True, 'text')")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the fused attention kernel, compiled layers, bf16 autocast)")
-    sizes = WORKLOADS[args.workload]
-    torch.manual_seed(0)
-    config = layers.HSTUConfig(
-        **{key: value for key, value in sizes.items() if key != "max_len"},
-        max_seq_len=sizes["max_len"],
-        compile_layers=not args.eager,
-        autocast_residual=not args.fp32_residual,
-    )
-    stack = layers.HSTUStack(config).cuda()
+    sizes, stack = build_stack(args.workload, not args.eager, not args.fp32_residual)
     settings = f"; inductor {' '.join(args.inductor)}" if args.inductor else ""
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.workload}: {sizes}{settings}")
     for batch in range(args.batches):
-        lengths = lengths_for(32, sizes["max_len"], seed=batch)
-        n = int(lengths.sum())
-        tokens, _, grad, offsets, times = make_inputs(lengths, 1, sizes["embedding_dim"], torch.float32, seed=batch)
-        x, grad = tokens.view(n, -1), grad.detach().view(n, -1)  # one "head" as wide as the model
-        rows = n
-        if args.capacity:  # each history's first row is its user's; the events are the rest
-            histories = len(lengths)
-            rows = graphs.token_capacity(n - histories, sizes["max_len"] * histories) + histories
-            x = graphs._grown(x.detach(), rows).requires_grad_()  # a leaf, as the ungrown input is
-            grad, times = graphs._grown(grad, rows), graphs._grown(times, rows)
+        lengths, n, rows, x, grad, offsets, times = batch_inputs(sizes, batch, args.capacity)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
