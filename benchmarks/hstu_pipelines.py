@@ -60,6 +60,7 @@ from lightning_hstu.hstu.shuffler import BalancedShuffler, shuffle_group
 from lightning_hstu.hstu.sparse import INPUT_DIST_GROUPS, ShardedEmbeddings
 from lightning_hstu.hstu.tasks import GRAPH_TASKS
 from lightning_hstu.models.hstu import JAGGED_GRAPHS, HSTURecommender, dense_adamw, embedding_tables
+from lightning_hstu.models.hstu_layers import HSTULayer
 
 PEAK_TFLOPS, MEASURED_TFLOPS = 989.0, 790.0
 """H200 dense bf16: the datasheet's peak, and what a large bf16 matrix product reaches on that machine."""
@@ -689,6 +690,37 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         )
 
 
+def busy(us: float) -> None:
+    """Spin the calling thread for ``us`` microseconds (host work that holds the GIL, as Python does)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def add_host_work(forward_us: float, backward_us: float):
+    """``--host-work``: every HSTU layer's attention call followed by ``forward_us`` of busy host time on the
+    thread that runs the forward, and its backward preceded by ``backward_us`` on autograd's thread (a hook on
+    the attention's output), 2 x layers calls a step: a step that waits for the host slows by about that much, one
+    that waits for the GPU does not. Eager steps only: a captured graph replays without it. Returns a function
+    that takes the work out again."""
+    attend = HSTULayer.attend
+
+    def attend_with_host_work(self, uvqk, tokens):
+        u, y = attend(self, uvqk, tokens)
+        if backward_us and y.requires_grad:
+            y.register_hook(lambda grad: busy(backward_us))  # None: the gradient goes on unchanged
+        if forward_us:
+            busy(forward_us)
+        return u, y
+
+    HSTULayer.attend = attend_with_host_work
+
+    def remove():
+        HSTULayer.attend = attend
+
+    return remove
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["light", "heavy", "seed"], choices=list(WORKLOADS))
@@ -795,6 +827,14 @@ def main():
         "in float32",
     )
     parser.add_argument(
+        "--host-work",
+        nargs=2,
+        type=float,
+        metavar=("FORWARD_US", "BACKWARD_US"),
+        help="busy host time added after each layer's attention call and before its backward (add_host_work): "
+        "whether an eager step waits for the host",
+    )
+    parser.add_argument(
         "--input-dist-group",
         nargs="+",
         default=["world"],
@@ -824,6 +864,12 @@ def main():
         f"# {name}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {world} rank(s); {args.steps} steps "
         f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}"
     )
+    if args.host_work:
+        add_host_work(*args.host_work)
+        forward_us, backward_us = args.host_work
+        say(
+            f"# host work added: {forward_us:g} us after each layer's attention, {backward_us:g} us before its backward"
+        )
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
         windows = window_count(GRAPH_WARM_PASSES, args.repeats, args.gaps) if args.fresh else 1

@@ -82,6 +82,38 @@ def test_an_engine_rows_host_time_per_thread_is_per_step_of_the_window_its_recor
     assert hstu_pipelines.thread_host_ms(result["records"], result["record_steps"]) == "main=4.00"
 
 
+def test_host_work_runs_after_each_layers_attention_and_before_its_backward(monkeypatch):
+    """``--host-work F B``: F us of host work on the forward's thread after each layer's attention call and B us
+    on autograd's before each layer's attention backward, and the layer's outputs and gradients unchanged."""
+    from lightning_hstu.models import hstu_layers
+
+    config = hstu_layers.HSTUConfig(
+        embedding_dim=16, num_layers=3, num_heads=2, attention_dim=8, hidden_dim=8, max_seq_len=8, dropout=0.0
+    )
+    torch.manual_seed(0)
+    stack = hstu_layers.HSTUStack(config)
+    offsets, times = torch.tensor([0, 3, 8]), torch.arange(8)
+
+    def step():
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = stack.jagged(x, offsets, times, grouped=True)
+        y.square().sum().backward()
+        return y.detach(), x.grad
+
+    plain = step()
+    spun = []
+    monkeypatch.setattr(hstu_pipelines, "busy", spun.append)
+    remove = hstu_pipelines.add_host_work(150.0, 40.0)
+    try:
+        with_work = step()
+    finally:
+        remove()
+    assert spun == [150.0] * 3 + [40.0] * 3  # each layer's forward, then each layer's backward
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_work))
+    step()
+    assert len(spun) == 6  # taken out again
+
+
 def test_fresh_refuses_too_few_batches():
     with pytest.raises(ValueError, match="--fresh: 6 windows of 10 batches needed after the warm-up, 5 made"):
         hstu_pipelines.measure("row", list, list(range(55)), 5, 3, torch.device("cpu"), 2, fresh=10)
