@@ -700,9 +700,9 @@ def busy(us: float) -> None:
 def add_host_work(forward_us: float, backward_us: float):
     """``--host-work``: every HSTU layer's attention call followed by ``forward_us`` of busy host time on the
     thread that runs the forward, and its backward preceded by ``backward_us`` on autograd's thread (a hook on
-    the attention's output), 2 x layers calls a step: a step that waits for the host slows by about that much, one
-    that waits for the GPU does not. Eager steps only: a captured graph replays without it. Returns a function
-    that takes the work out again."""
+    the attention's output): layers x (forward_us + backward_us) of host work a step, by which a step that waits
+    for the host slows and one that waits for the GPU does not. Eager steps only: a captured graph replays
+    without it. Returns a function that takes the work out again."""
     attend = HSTULayer.attend
 
     def attend_with_host_work(self, uvqk, tokens):
