@@ -16,6 +16,7 @@ GPU; neither Lightning nor TorchRec is imported.
 """
 
 import argparse
+import contextlib
 import time
 from collections import defaultdict
 
@@ -43,19 +44,13 @@ def call(step, profile: bool) -> tuple[float, tuple[int, ...], dict]:
     """(wall ms, the allocator's calls into CUDA, {host op: self CPU us} under ``profile``) of one ``step()``."""
     before = torch.cuda.memory_stats()
     torch.cuda.synchronize()
-    ops = {}
-    if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - start) * 1e3
-        ops = {event.key: event.self_cpu_time_total for event in profiler.key_averages()}
-    else:
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    with profiler or contextlib.nullcontext():
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) * 1e3
+    ops = {event.key: event.self_cpu_time_total for event in profiler.key_averages()} if profile else {}
     after = torch.cuda.memory_stats()
     return ms, tuple(after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR), ops
 

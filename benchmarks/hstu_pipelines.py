@@ -865,8 +865,8 @@ def main():
         f"after {args.warmup} warm-up, median of {args.repeats}; {time.strftime('%Y-%m-%d')}"
     )
     if args.host_work:
-        add_host_work(*args.host_work)
         forward_us, backward_us = args.host_work
+        add_host_work(forward_us, backward_us)
         say(
             f"# host work added: {forward_us:g} us after each layer's attention, {backward_us:g} us before its backward"
         )
