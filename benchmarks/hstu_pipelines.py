@@ -438,10 +438,14 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     for _ in range(warm_passes):
         run(next(windows))
     times, records, record_steps, before, timed_batches = [], None, 0, _allocator_calls(device), []
+    window_allocator, window_start = [], before
     for _ in range(repeats):
         window = next(windows)
         ms, extra = timed(run, window, device)
         times.append(ms)
+        window_end = _allocator_calls(device)
+        window_allocator.append({key: window_end[key] - window_start[key] for key in window_end})
+        window_start = window_end
         timed_batches += window
         if isinstance(extra, list):  # the engine's task records of this window's steps
             records, record_steps = extra, len(window)
@@ -455,6 +459,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         "timed": timed_batches,
         "profiled": measured,
         "windows": times,
+        "window_allocator": window_allocator,
         "allocator": allocator,
         "gaps": idle,
         "mode": name,
@@ -473,6 +478,19 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
 ALLOCATOR_CALLS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree", "num_alloc_retries": "retries"}
 """The caching allocator's counters read around the timed steps: its calls into CUDA (a cudaFree waits for the
 device) and its retries (every cached block freed, then cudaMalloc again)."""
+
+
+def windows_line(row) -> str:
+    """Each timed window's ms per step, in order, each with the caching allocator's calls in that window where
+    it made any (a retry, every cached block freed and allocated again, is a window's slow outlier)."""
+    calls = row.get("window_allocator") or [{}] * len(row["windows"])
+    windows = ", ".join(f"{ms:.2f}{_calls_made(made)}" for ms, made in zip(row["windows"], calls))
+    return f"ms per step in each timed window of '{row['mode']}', in order: {windows}"
+
+
+def _calls_made(calls: dict) -> str:
+    made = ", ".join(f"{n} {ALLOCATOR_CALLS[key]}" for key, n in calls.items() if n)
+    return f" ({made})" if made else ""
 
 
 def _allocator_calls(device) -> dict:
@@ -648,8 +666,7 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         )
     for r in results:
         if len(r.get("windows", ())) > 1:
-            windows = ", ".join(f"{ms:.2f}" for ms in r["windows"])
-            say(f"ms per step in each timed window of '{r['mode']}', in order: {windows}")
+            say(windows_line(r))
     for r in results if kernels else ():
         if r.get("kernels"):
             launches = sum(count for _, _, count in r["kernels"])

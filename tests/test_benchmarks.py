@@ -62,6 +62,36 @@ def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
     assert result["windows"] == [float(1 + warm_passes + i) for i in range(repeats)]  # each timed window's ms
 
 
+def test_each_timed_windows_allocator_calls_are_reported_beside_its_time(monkeypatch):
+    """A row driven directly reports, beside each timed window's ms per step, the caching allocator's calls made
+    in that window alone (not in the warm-up, the other windows or the profile), so that a window slowed by a
+    retry (the allocator's cache freed and allocated again) is told from one slowed otherwise."""
+    warmup, steps, repeats = 5, 10, 3
+    batches = list(range(warmup + steps * (repeats + 1)))
+    calls = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0}
+    made = iter([(4, 0, 0), (0, 0, 0), (12, 9, 1), (0, 1, 0), (2, 2, 0)])  # warm-up, three windows, profile
+
+    def run(window):
+        for key, n in zip(calls, next(made)):
+            calls[key] += n
+
+    monkeypatch.setattr(hstu_pipelines, "_allocator_calls", lambda device: dict(calls))
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (50.0 + len(window) / 10, run(window)))
+    result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), fresh=steps)
+    assert result["window_allocator"] == [
+        {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0},
+        {"num_device_alloc": 12, "num_device_free": 9, "num_alloc_retries": 1},
+        {"num_device_alloc": 0, "num_device_free": 1, "num_alloc_retries": 0},
+    ]
+    assert hstu_pipelines.windows_line(result) == (
+        "ms per step in each timed window of 'row', in order: 51.00, 51.00 (12 cudaMalloc, 9 cudaFree, 1 retries), "
+        "51.00 (1 cudaFree)"
+    )
+    per_step = {"num_device_alloc": 12 / 30, "num_device_free": 10 / 30, "num_alloc_retries": 1 / 30}  # 30 timed
+    assert result["allocator"] == pytest.approx(per_step)
+
+
 @pytest.mark.parametrize("fresh", [0, 10])
 def test_an_engine_rows_host_time_per_thread_is_per_step_of_the_window_its_records_cover(fresh, monkeypatch):
     """An Engine row's host ms per step of each thread (and its exposed side chain) divide the task records of
