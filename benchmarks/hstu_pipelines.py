@@ -437,8 +437,8 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     windows = iter(windows)
     for _ in range(warm_passes):
         run(next(windows))
-    times, records, record_steps, before, timed_batches = [], None, 0, _allocator_calls(device), []
-    window_allocator, window_start = [], before
+    times, records, record_steps, timed_batches = [], None, 0, []
+    window_allocator, window_start = [], _allocator_calls(device)
     for _ in range(repeats):
         window = next(windows)
         ms, extra = timed(run, window, device)
@@ -449,7 +449,7 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
         timed_batches += window
         if isinstance(extra, list):  # the engine's task records of this window's steps
             records, record_steps = extra, len(window)
-    allocator = _allocator_calls_since(before, device, len(timed_batches))
+    allocator = {key: sum(calls[key] for calls in window_allocator) / len(timed_batches) for key in ALLOCATOR_CALLS}
     measured = next(windows)
     kernel_ms, kernels = kernels_per_step(run, measured, device)
     idle = (
@@ -483,8 +483,7 @@ device) and its retries (every cached block freed, then cudaMalloc again)."""
 def windows_line(row) -> str:
     """Each timed window's ms per step, in order, each with the caching allocator's calls in that window where
     it made any (a retry, every cached block freed and allocated again, is a window's slow outlier)."""
-    calls = row.get("window_allocator") or [{}] * len(row["windows"])
-    windows = ", ".join(f"{ms:.2f}{_calls_made(made)}" for ms, made in zip(row["windows"], calls))
+    windows = ", ".join(f"{ms:.2f}{_calls_made(made)}" for ms, made in zip(row["windows"], row["window_allocator"]))
     return f"ms per step in each timed window of '{row['mode']}', in order: {windows}"
 
 
