@@ -482,7 +482,7 @@ device) and its retries (every cached block freed, then cudaMalloc again)."""
 
 def windows_line(row) -> str:
     """Each timed window's ms per step, in order, each with the caching allocator's calls in that window where
-    it made any (a retry, every cached block freed and allocated again, is a window's slow outlier)."""
+    it made any (a retry frees every cached block and allocates again, a cost a window of its own shows)."""
     windows = ", ".join(f"{ms:.2f}{_calls_made(made)}" for ms, made in zip(row["windows"], row["window_allocator"]))
     return f"ms per step in each timed window of '{row['mode']}', in order: {windows}"
 
