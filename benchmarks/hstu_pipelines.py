@@ -34,6 +34,8 @@ reaches there).
 """
 
 import argparse
+import contextlib
+import gc
 import itertools
 import os
 import platform
@@ -421,13 +423,16 @@ def fresh_windows(batches, steps):
     return [batches[i : i + steps] for i in range(0, len(batches) - steps + 1, steps)]
 
 
-def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False, fresh=0):
+def measure(
+    name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False, fresh=0, collector="python"
+):
     """``warm_passes``: passes over the measured batches before timing (graph capture needs each input
     signature, e.g. each token capacity, seen a few times first). ``gaps``: also the GPU's idle time between
     kernels, from a profile with CPU ops (idle_gaps.py), after the kernel profile. ``fresh``: every window
     (warm pass, timed window, profile) runs ``fresh`` batches of its own, the next of ``batches[warmup:]``
     (``fresh_windows``), so that no timed step meets a batch, nor likely a token count, met before (as in a
-    training run); 0: every window runs all of ``batches[warmup:]``."""
+    training run); 0: every window runs all of ``batches[warmup:]``. ``collector``: Python's garbage collector
+    from the end of the warm passes to the end of the profiles (``COLLECTOR_MODES``)."""
     _reset_peak(device)
     run(batches[:warmup])
     passes = window_count(warm_passes, repeats, gaps)
@@ -438,28 +443,31 @@ def measure(name, run, batches, warmup, repeats, device, warm_passes=0, plan=Non
     for _ in range(warm_passes):
         run(next(windows))
     times, records, record_steps, timed_batches = [], None, 0, []
-    window_allocator, window_start = [], _allocator_calls(device)
-    for _ in range(repeats):
-        window = next(windows)
-        ms, extra = timed(run, window, device)
-        times.append(ms)
-        window_end = _allocator_calls(device)
-        window_allocator.append({key: window_end[key] - window_start[key] for key in window_end})
-        window_start = window_end
-        timed_batches += window
-        if isinstance(extra, list):  # the engine's task records of this window's steps
-            records, record_steps = extra, len(window)
+    window_allocator, window_collector = [], []
+    with collector_mode(collector):
+        start = _allocator_calls(device), _collections()
+        for _ in range(repeats):
+            window = next(windows)
+            ms, extra = timed(run, window, device)
+            times.append(ms)
+            end = _allocator_calls(device), _collections()
+            window_allocator.append(_minus(end[0], start[0]))
+            window_collector.append(_minus(end[1], start[1]))
+            start = end
+            timed_batches += window
+            if isinstance(extra, list):  # the engine's task records of this window's steps
+                records, record_steps = extra, len(window)
+        measured = next(windows)
+        kernel_ms, kernels = kernels_per_step(run, measured, device)
+        profile = gaps and device.type == "cuda"
+        idle = idle_gaps(profile_trace(run, next(windows), device), len(measured)) if profile else None
     allocator = {key: sum(calls[key] for calls in window_allocator) / len(timed_batches) for key in ALLOCATOR_CALLS}
-    measured = next(windows)
-    kernel_ms, kernels = kernels_per_step(run, measured, device)
-    idle = (
-        idle_gaps(profile_trace(run, next(windows), device), len(measured)) if gaps and device.type == "cuda" else None
-    )
     return {
         "timed": timed_batches,
         "profiled": measured,
         "windows": times,
         "window_allocator": window_allocator,
+        "window_collector": window_collector,
         "allocator": allocator,
         "gaps": idle,
         "mode": name,
@@ -482,14 +490,84 @@ device) and its retries (every cached block freed, then cudaMalloc again)."""
 
 def windows_line(row) -> str:
     """Each timed window's ms per step, in order, each with the caching allocator's calls in that window where
-    it made any (a retry frees every cached block and allocates again, a cost a window of its own shows)."""
-    windows = ", ".join(f"{ms:.2f}{_calls_made(made)}" for ms, made in zip(row["windows"], row["window_allocator"]))
+    it made any (a retry frees every cached block and allocates again, a cost a window of its own shows), and
+    the time Python's garbage collector ran in it, with its collections, where it ran (a collection holds the
+    GIL: every Python thread of the step waits for it, and a full one scans every object the process made)."""
+    windows = ", ".join(
+        f"{ms:.2f}{_window_notes(made, collected)}"
+        for ms, made, collected in zip(row["windows"], row["window_allocator"], row["window_collector"])
+    )
     return f"ms per step in each timed window of '{row['mode']}', in order: {windows}"
 
 
-def _calls_made(calls: dict) -> str:
-    made = ", ".join(f"{n} {ALLOCATOR_CALLS[key]}" for key, n in calls.items() if n)
-    return f" ({made})" if made else ""
+def _window_notes(calls: dict, collected: dict) -> str:
+    made = [f"{n} {ALLOCATOR_CALLS[key]}" for key, n in calls.items() if n]
+    if collected["collections"]:
+        full = f", {collected['full']} full" if collected["full"] else ""
+        made.append(f"gc {collected['ms']:.1f} ms, {_collections_text(collected['collections'])}{full}")
+    return f" ({', '.join(made)})" if made else ""
+
+
+def _collections_text(n: int) -> str:
+    return f"{n} collection{'' if n == 1 else 's'}"
+
+
+def _minus(end: dict, start: dict) -> dict:
+    return {key: end[key] - start[key] for key in end}
+
+
+COLLECTOR_MODES = {
+    "python": "Python's collector as it runs by default",
+    "freeze": "gc.freeze() at the end of the warm passes: no collection scans the objects made until then again "
+    "(the model, compiled code, caches), a full one only those made since",
+    "off": "gc.disable(): no collection at all, the collector's whole cost",
+}
+
+
+@contextlib.contextmanager
+def collector_mode(mode: str):
+    """Python's garbage collector set to ``mode`` (``COLLECTOR_MODES``) inside; as before after."""
+    if mode not in COLLECTOR_MODES:
+        raise ValueError(f"collector mode {mode!r}: choose one of {sorted(COLLECTOR_MODES)}")
+    enabled = gc.isenabled()
+    if mode == "freeze":
+        gc.freeze()
+    elif mode == "off":
+        gc.disable()
+    try:
+        yield
+    finally:
+        if mode == "freeze":
+            gc.unfreeze()
+        elif enabled:
+            gc.enable()
+
+
+class _Collections:
+    """Python's garbage collections in this process, counted and timed through ``gc.callbacks`` (a collection
+    runs in the thread whose allocation set it off; one runs at a time)."""
+
+    def __init__(self):
+        self.collections, self.full, self.ms, self._began = 0, 0, 0.0, 0.0
+        gc.callbacks.append(self._called)
+
+    def _called(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        self.collections += 1
+        self.full += info["generation"] == 2
+        self.ms += (time.perf_counter() - self._began) * 1e3
+
+    def read(self) -> dict:
+        return {"collections": self.collections, "full": self.full, "ms": self.ms}
+
+
+_COLLECTIONS = _Collections()
+
+
+def _collections() -> dict:
+    return _COLLECTIONS.read()
 
 
 def _allocator_calls(device) -> dict:
@@ -553,7 +631,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
 
     def measure_(name, run, passes=0, plan=None, gaps=False):
         fresh = args.steps if args.fresh else 0
-        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh)
+        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh, args.gc)
 
     def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
         return measure_trainer(
@@ -695,6 +773,14 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
         if any(r.get("allocator", {}).values()):
             calls = ", ".join(f"{n:.2f} {ALLOCATOR_CALLS[key]}" for key, n in r["allocator"].items())
             say(f"the caching allocator during the timed steps of '{r['mode']}', per step: {calls}")
+    for r in results:
+        if r.get("window_collector"):
+            collected = {key: sum(w[key] for w in r["window_collector"]) for key in r["window_collector"][0]}
+            steps = len(r["timed"])
+            say(
+                f"Python's garbage collector during the timed steps of '{r['mode']}': {collected['ms'] / steps:.2f} ms "
+                f"per step, {_collections_text(collected['collections'])} in {steps} steps, {collected['full']} full"
+            )
     for r in results if gaps else ():
         if r.get("gaps"):
             report_gaps(say, r["mode"], r["gaps"], gaps)
@@ -791,6 +877,13 @@ def main():
         "caches); without it each window runs the same --steps batches",
     )
     parser.add_argument(
+        "--gc",
+        default="python",
+        choices=list(COLLECTOR_MODES),
+        help="Python's garbage collector during the timed windows and profiles of the rows driven directly: "
+        + "; ".join(f"{mode}: {what}" for mode, what in COLLECTOR_MODES.items()),
+    )
+    parser.add_argument(
         "--kernels",
         type=int,
         default=0,
@@ -863,6 +956,8 @@ def main():
     args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
     if args.fresh and set(args.rows) & {"user", "lightning"}:
         parser.error("--fresh times the rows driven directly (--rows plain engine pipeline), not the Trainer's")
+    if args.gc != "python" and set(args.rows) & {"user", "lightning"}:
+        parser.error("--gc sets the collector for the rows driven directly (--rows plain engine pipeline) only")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
@@ -886,6 +981,8 @@ def main():
         say(
             f"# host work added: {forward_us:g} us after each layer's attention, {backward_us:g} us before its backward"
         )
+    if args.gc != "python":
+        say(f"# garbage collector: {args.gc}, {COLLECTOR_MODES[args.gc]}")
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
         windows = window_count(GRAPH_WARM_PASSES, args.repeats, args.gaps) if args.fresh else 1

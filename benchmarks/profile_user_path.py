@@ -57,6 +57,9 @@ from hstu_pipelines import (
     WORKLOADS,
     EagerOptimizerStep,
     _Batches,
+    _window_notes,
+    _collections,
+    _minus,
     build_model,
     cycled,
     make_batches,
@@ -72,12 +75,13 @@ from lightning_hstu.models.hstu import HSTURecommender, dense_adamw
 
 
 class _Marks(pl.Callback):
-    """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it;
-    starts the diagnostics there (``_SyncSites``, ``_Trace``) and stops the trace after its steps."""
+    """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it, with the
+    time Python's garbage collector ran in those steps where it ran (``hstu_pipelines.windows_line``); starts the
+    diagnostics there (``_SyncSites``, ``_Trace``) and stops the trace after its steps."""
 
     def __init__(self, warmup, every, path, diagnostics=()):
         self.warmup, self.every, self.path, self.start = warmup, every, Path(path), None
-        self.diagnostics = diagnostics
+        self.diagnostics, self.collected = diagnostics, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         done = batch_idx - self.warmup
@@ -87,12 +91,14 @@ class _Marks(pl.Callback):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        now = time.perf_counter()
+        now, collected = time.perf_counter(), _collections()
         if self.start is not None:
-            print(f"steps {done - self.every}-{done}: {(now - self.start) * 1e3 / self.every:.2f} ms/step", flush=True)
+            ms = (now - self.start) * 1e3 / self.every
+            gc = _window_notes({}, _minus(collected, self.collected))
+            print(f"steps {done - self.every}-{done}: {ms:.2f} ms/step{gc}", flush=True)
         else:
             self.path.write_text(str(os.getpid()))
-        self.start = now
+        self.start, self.collected = now, collected
 
 
 def main():

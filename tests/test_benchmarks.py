@@ -3,7 +3,10 @@ batches its Engine and plain-loop rows time (each timed window of ``Trainer.fit`
 their order, never the warm-up ones, so that the difference between a user's-path row and an Engine row is the
 path's cost, not the batches' lengths), and its CPU run times every mode."""
 
+import gc
+import re
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,20 +65,27 @@ def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
     assert result["windows"] == [float(1 + warm_passes + i) for i in range(repeats)]  # each timed window's ms
 
 
-def test_each_timed_windows_allocator_calls_are_reported_beside_its_time(monkeypatch):
-    """A row driven directly reports, beside each timed window's ms per step, the caching allocator's calls made
-    in that window alone (not in the warm-up, the other windows or the profile), so that a window slowed by a
-    retry (the allocator's cache freed and allocated again) is told from one slowed otherwise."""
+def test_each_timed_windows_allocator_calls_and_garbage_collections_are_reported_beside_its_time(monkeypatch):
+    """A row driven directly reports, beside each timed window's ms per step, the caching allocator's calls and
+    Python's garbage collections made in that window alone (not in the warm-up, the other windows or the
+    profile), so that a window slowed by a retry (the allocator's cache freed and allocated again) or by a
+    full collection (every Python thread waits while it scans the process's objects) is told from one slowed
+    otherwise."""
     warmup, steps, repeats = 5, 10, 3
     batches = list(range(warmup + steps * (repeats + 1)))
     calls = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0}
+    collected = {"collections": 0, "full": 0, "ms": 0.0}
     made = iter([(4, 0, 0), (0, 0, 0), (12, 9, 1), (0, 1, 0), (2, 2, 0)])  # warm-up, three windows, profile
+    collections = iter([(30, 1, 90.0), (0, 0, 0.0), (4, 1, 212.5), (2, 0, 0.25), (9, 1, 80.0)])
 
     def run(window):
         for key, n in zip(calls, next(made)):
             calls[key] += n
+        for key, n in zip(collected, next(collections)):
+            collected[key] += n
 
     monkeypatch.setattr(hstu_pipelines, "_allocator_calls", lambda device: dict(calls))
+    monkeypatch.setattr(hstu_pipelines, "_collections", lambda: dict(collected))
     monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
     monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (50.0 + len(window) / 10, run(window)))
     result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), fresh=steps)
@@ -84,12 +94,58 @@ def test_each_timed_windows_allocator_calls_are_reported_beside_its_time(monkeyp
         {"num_device_alloc": 12, "num_device_free": 9, "num_alloc_retries": 1},
         {"num_device_alloc": 0, "num_device_free": 1, "num_alloc_retries": 0},
     ]
+    assert result["window_collector"] == [
+        {"collections": 0, "full": 0, "ms": 0.0},
+        {"collections": 4, "full": 1, "ms": 212.5},
+        {"collections": 2, "full": 0, "ms": 0.25},
+    ]
     assert hstu_pipelines.windows_line(result) == (
-        "ms per step in each timed window of 'row', in order: 51.00, 51.00 (12 cudaMalloc, 9 cudaFree, 1 retries), "
-        "51.00 (1 cudaFree)"
+        "ms per step in each timed window of 'row', in order: 51.00, 51.00 (12 cudaMalloc, 9 cudaFree, 1 retries, "
+        "gc 212.5 ms, 4 collections, 1 full), 51.00 (1 cudaFree, gc 0.2 ms, 2 collections)"
     )
     per_step = {"num_device_alloc": 12 / 30, "num_device_free": 10 / 30, "num_alloc_retries": 1 / 30}  # 30 timed
     assert result["allocator"] == pytest.approx(per_step)
+
+
+def test_the_garbage_collections_counted_are_pythons_own():
+    """The collections the benchmark reports are those Python ran: a full collection counts as one, with its
+    time, whichever thread ran it."""
+    before = hstu_pipelines._collections()
+    thread = threading.Thread(target=gc.collect)
+    thread.start()
+    thread.join()
+    gc.collect(0)
+    after = hstu_pipelines._collections()
+    assert after["full"] - before["full"] == 1
+    assert after["collections"] - before["collections"] >= 2
+    assert after["ms"] > before["ms"]
+
+
+@pytest.mark.parametrize("mode", ["freeze", "off"])
+def test_the_collector_mode_holds_for_the_timed_windows_and_profiles_only(mode, monkeypatch):
+    """``--gc freeze`` freezes the objects made by the end of the warm passes (no collection scans them again)
+    and ``--gc off`` disables the collector, for the timed windows and the profiles; the warm-up and warm
+    passes run with Python's collector as it was, and it is as it was after the row."""
+    warmup, steps, repeats, warm_passes = 5, 10, 2, 1
+    batches = list(range(warmup + steps))
+    seen = []
+
+    def run(window):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (1.0, run(window)))
+    hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), warm_passes, collector=mode)
+    python = (True, False)
+    during = (True, True) if mode == "freeze" else (False, False)
+    assert seen == [python, python] + [during] * (repeats + 1)  # warm-up, warm pass; windows, kernel profile
+    assert (gc.isenabled(), gc.get_freeze_count()) == (True, 0)
+
+
+def test_an_unknown_collector_mode_is_refused_with_the_modes():
+    with pytest.raises(ValueError, match=r"collector mode 'manual': choose one of \['freeze', 'off', 'python'\]"):
+        with hstu_pipelines.collector_mode("manual"):
+            pass
 
 
 @pytest.mark.parametrize("fresh", [0, 10])
@@ -206,13 +262,18 @@ def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
     windowed = "ms per step in each timed window of "
-    table = [line for line in lines if not line.startswith(windowed)]
+    collector = "Python's garbage collector during the timed steps of "
+    table = [line for line in lines if not line.startswith((windowed, collector))]
     times = {line[:25].strip(): float(line[25:].split()[0]) for line in table}
-    windows = {
-        line[len(windowed) :].split("'")[1]: line.split(": ")[-1].split(", ") for line in lines if line not in table
+    windows = {  # each window's ms, with what the allocator and the collector did in it in brackets
+        line.split("'")[1]: re.findall(r"(\d+\.\d\d)(?: \([^)]*\))?(?:, |$)", line.split("', in order: ")[1])
+        for line in lines
+        if line.startswith(windowed)
     }
+    collected = [line[len(collector) :].split("'")[1] for line in lines if line.startswith(collector)]
     direct = ["plain loop", "legacy_none (Engine)", "default_d6 (Engine)", "TrainPipelineSparseDist"]
     assert sorted(windows) == sorted(direct) and all(len(w) == 2 for w in windows.values())  # --repeats 2
+    assert sorted(collected) == sorted(direct)
     fastest = min(("legacy_none", "default_d6"), key=lambda preset: times[f"{preset} (Engine)"])  # checks the loss
     modes = ["plain loop", "legacy_none (Engine)", "default_d6 (Engine)", "legacy_none", "default_d6"]
     assert list(times) == [*modes, f"{fastest}, stop", "Lightning loop", "TrainPipelineSparseDist"]
