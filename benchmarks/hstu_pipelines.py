@@ -461,7 +461,7 @@ def measure(
         kernel_ms, kernels = kernels_per_step(run, measured, device)
         profile = gaps and device.type == "cuda"
         idle = idle_gaps(profile_trace(run, next(windows), device), len(measured)) if profile else None
-    allocator = {key: sum(calls[key] for calls in window_allocator) / len(timed_batches) for key in ALLOCATOR_CALLS}
+    allocator = {key: n / len(timed_batches) for key, n in _summed(window_allocator).items()}
     return {
         "timed": timed_batches,
         "profiled": measured,
@@ -514,6 +514,11 @@ def _collections_text(n: int) -> str:
 
 def _minus(end: dict, start: dict) -> dict:
     return {key: end[key] - start[key] for key in end}
+
+
+def _summed(windows: list[dict]) -> dict:
+    """The counts of several windows (``_minus`` of two reads each) added key by key."""
+    return {key: sum(window[key] for window in windows) for key in windows[0]}
 
 
 COLLECTOR_MODES = {
@@ -775,7 +780,7 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
             say(f"the caching allocator during the timed steps of '{r['mode']}', per step: {calls}")
     for r in results:
         if r.get("window_collector"):
-            collected = {key: sum(w[key] for w in r["window_collector"]) for key in r["window_collector"][0]}
+            collected = _summed(r["window_collector"])
             steps = len(r["timed"])
             say(
                 f"Python's garbage collector during the timed steps of '{r['mode']}': {collected['ms'] / steps:.2f} ms "

@@ -76,7 +76,7 @@ from lightning_hstu.models.hstu import HSTURecommender, dense_adamw
 
 class _Marks(pl.Callback):
     """Writes ``path`` after ``warmup`` steps and prints the ms/step of every ``every`` steps after it, with the
-    time Python's garbage collector ran in those steps where it ran (``hstu_pipelines.windows_line``); starts the
+    time Python's garbage collector ran in those steps where it ran (``hstu_pipelines._window_notes``); starts the
     diagnostics there (``_SyncSites``, ``_Trace``) and stops the trace after its steps."""
 
     def __init__(self, warmup, every, path, diagnostics=()):
