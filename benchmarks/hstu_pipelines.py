@@ -23,6 +23,8 @@ seed: L=4096, width 1024, 10 layers, 4 heads x 256 (the seed engine's benchmark 
 ``--rows`` runs some groups of rows only: run the groups in processes of their own to keep what one mode
 leaves behind (its model, engine threads' process groups, captured graphs) out of the next one's time (on
 one H200 a user's-path row read 3-4 ms/step slower after the other rows than alone, BENCHMARKS.md).
+Each row runs ``--warmup`` batches of its own, then ``--warm-passes`` untimed passes over the measured
+batches (graphed rows at least ``GRAPH_WARM_PASSES``), then its timed windows over them.
 
 ``--attention padded fused`` runs every mode with the padded reference attention and with the fused
 jagged kernel, one block each; ``--shuffler balanced identity`` (several ranks) with and without the
@@ -282,6 +284,14 @@ signature (a token capacity) after its third eager call, at the next step bounda
 third pass's last batch met the third time, that is the next pass's first step, so a fourth pass keeps its
 capture (which synchronises and allocates) out of the timed windows; with three, one such capture landed in a
 timed window of the seed's graphed row (its spread, 42.6 ms per step, BENCHMARKS.md)."""
+
+
+def row_warm_passes(warm_passes: int, graphed: bool) -> int:
+    """A row's untimed passes over the measured batches before its timed windows: ``--warm-passes``, and at
+    least ``GRAPH_WARM_PASSES`` for a graphed row. Without one the first timed window of an eager row is the
+    first to meet the measured batches (their token counts' first products, the allocator's growth to the
+    largest), and the median of three windows is the slower of the other two."""
+    return max(warm_passes, GRAPH_WARM_PASSES if graphed else 0)
 
 
 def window_count(warm_passes, repeats, gaps=False) -> int:
@@ -634,8 +644,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
         model = build_model(sizes, device, num_items, world, attention, balance, own_group=shuffler == "balanced")
         optimizer = dense_adamw(model.objectives.parameters(), lr=1e-4)
 
-    def measure_(name, run, passes=0, plan=None, gaps=False):
+    def measure_(name, run, graphed=False, plan=None, gaps=False):
         fresh = args.steps if args.fresh else 0
+        passes = row_warm_passes(args.warm_passes, graphed)
         return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh, args.gc)
 
     def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
@@ -652,7 +663,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             balance,
             nonfinite,
             model_class,
-            warm_passes=GRAPH_WARM_PASSES if strategy_args.get("capture_graphs") else 0,
+            warm_passes=row_warm_passes(args.warm_passes, bool(strategy_args.get("capture_graphs"))),
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
@@ -671,7 +682,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
                 measure_(
                     f"{best} + graphs (Engine)",
                     run,
-                    passes=GRAPH_WARM_PASSES,
+                    graphed=True,
                     plan=engine.plan,
                     gaps=bool(args.gaps),
                 )
@@ -834,6 +845,15 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--warm-passes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="untimed passes over the measured batches before each row's timed windows (after --warmup's "
+        "batches; graphed rows run at least %d; under --fresh each pass runs batches of its own): with 1 or "
+        "more, and without --fresh, no timed window is the first to meet its batches" % GRAPH_WARM_PASSES,
+    )
     parser.add_argument("--presets", nargs="+", default=list(PRESET_NAMES))
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     parser.add_argument("--no-lightning", action="store_true", help="leave out Lightning's own loop")
@@ -961,6 +981,8 @@ def main():
     args.rows = ["plain"] if args.plain_only else [r for r in args.rows if not excluded.get(r)]
     if args.fresh and set(args.rows) & {"user", "lightning"}:
         parser.error("--fresh times the rows driven directly (--rows plain engine pipeline), not the Trainer's")
+    if args.warm_passes < 0:
+        parser.error(f"--warm-passes: a number of passes, 0 or more, not {args.warm_passes}")
     if args.gc != "python" and set(args.rows) & {"user", "lightning"}:
         parser.error("--gc sets the collector for the rows driven directly (--rows plain engine pipeline) only")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -988,9 +1010,11 @@ def main():
         )
     if args.gc != "python":
         say(f"# garbage collector: {args.gc}, {COLLECTOR_MODES[args.gc]}")
+    if args.warm_passes:
+        say(f"# {args.warm_passes} untimed pass(es) over the measured batches before each row's timed windows")
     for workload in args.workloads:
         sizes = SMALL if args.small else WORKLOADS[workload]
-        windows = window_count(GRAPH_WARM_PASSES, args.repeats, args.gaps) if args.fresh else 1
+        windows = window_count(row_warm_passes(args.warm_passes, True), args.repeats, args.gaps) if args.fresh else 1
         count = args.warmup + args.steps * windows
         batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
         tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)

@@ -151,6 +151,33 @@ def test_an_unknown_collector_mode_is_refused_with_the_modes():
             pass
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+@pytest.mark.parametrize("warm_passes", [0, 1, 6])
+def test_with_warm_passes_no_timed_window_is_the_first_to_meet_its_batches(warm_passes, graphed, monkeypatch):
+    """``--warm-passes N``: a row runs N untimed passes over the measured batches before its first timed window
+    (a graphed row at least the passes its captures need), so that with one or more every timed window repeats
+    batches already run; without, the first timed window is the first to meet them."""
+    warmup, steps, repeats = 5, 10, 3
+    batches = list(range(warmup + steps))
+    ran = []
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (1.0, run(window)))
+    passes = hstu_pipelines.row_warm_passes(warm_passes, graphed)
+    hstu_pipelines.measure("row", ran.append, batches, warmup, repeats, torch.device("cpu"), passes)
+    assert passes == (max(warm_passes, hstu_pipelines.GRAPH_WARM_PASSES) if graphed else warm_passes)
+    first_timed = 1 + passes  # after the warm-up's batches and the untimed passes
+    assert ran[first_timed] == batches[warmup:]
+    met_before = [batch for window in ran[:first_timed] for batch in window]
+    assert all(batch in met_before for batch in ran[first_timed]) == (passes > 0)
+
+
+def test_a_negative_number_of_warm_passes_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["hstu_pipelines.py", "--small", "--warm-passes", "-1"])
+    with pytest.raises(SystemExit):
+        hstu_pipelines.main()
+    assert "--warm-passes: a number of passes, 0 or more, not -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fresh", [0, 10])
 def test_an_engine_rows_host_time_per_thread_is_per_step_of_the_window_its_records_cover(fresh, monkeypatch):
     """An Engine row's host ms per step of each thread (and its exposed side chain) divide the task records of
