@@ -592,8 +592,7 @@ def _allocator_calls(device) -> dict:
 
 def _allocator_calls_since(before: dict, device, steps: int) -> dict:
     """The allocator's calls per step over ``steps`` steps since ``before`` (``_allocator_calls``) was read."""
-    after = _allocator_calls(device)
-    return {key: (after[key] - before[key]) / steps for key in after}
+    return {key: n / steps for key, n in _minus(_allocator_calls(device), before).items()}
 
 
 def _reset_peak(device):
