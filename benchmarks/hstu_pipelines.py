@@ -45,6 +45,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import gpu_clocks
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -220,11 +221,13 @@ class _Batches(pl.LightningDataModule):
 class _StepTimer(pl.Callback):
     """Times windows of ``steps`` steps after ``warmup`` (GPU synchronised at the window edges only), counts
     the caching allocator's calls into CUDA over the timed windows (per step, as ``measure`` does) and profiles
-    the kernels of the window after the last timed one."""
+    the kernels of the window after the last timed one. ``spans``: each timed window's and the profiled one's
+    start and end (``time.perf_counter()``)."""
 
     def __init__(self, warmup, steps, repeats, device):
         self.warmup, self.steps, self.repeats, self.device = warmup, steps, repeats, device
         self.times, self.kernel_ms, self._start, self._profiler = [], None, None, None
+        self.spans = []
         self.allocator, self._allocator_before = {}, None
 
     def _edge(self, batch_idx):
@@ -235,7 +238,9 @@ class _StepTimer(pl.Callback):
         if self._edge(batch_idx):
             _sync(self.device)
             if self._start is not None:
-                self.times.append((time.perf_counter() - self._start) * 1e3 / self.steps)
+                now = time.perf_counter()
+                self.times.append((now - self._start) * 1e3 / self.steps)
+                self.spans.append((self._start, now))
             if self._start is None:
                 self._allocator_before = _allocator_calls(self.device)
             elif len(self.times) == self.repeats and not self.allocator:
@@ -247,6 +252,8 @@ class _StepTimer(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         _sync(self.device)
+        if self._start is not None and len(self.spans) == len(self.times):
+            self.spans.append((self._start, time.perf_counter()))  # the profiled window
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self.kernel_ms = _kernel_ms(self._profiler, self.steps)
@@ -344,10 +351,11 @@ def measure_trainer(
     nonfinite="raise",
     model_class=HSTURecommender,
     warm_passes=0,
+    clocks=None,
 ):
     """The user's path: ``Trainer(strategy=strategy)`` over the same batches and model sizes (with
     ``HSTUPipelineStrategy(engine=False)``: Lightning's own loop), timed as ``measure`` times: windows of the
-    batches after ``warmup`` (``windowed``). ``warm_passes``: as ``measure``'s, windows run before timing."""
+    batches after ``warmup`` (``windowed``). ``warm_passes``, ``clocks``: as ``measure``'s."""
     steps = len(batches) - warmup
     torch.manual_seed(0)
     model = model_class(
@@ -363,7 +371,10 @@ def measure_trainer(
     _reset_peak(device)
     trainer.fit(model, _Batches(data, num_items))
     times = timer.times[:repeats]
+    spans = [_clocks_between(clocks, start, end) for start, end in timer.spans]
     return {
+        "window_clocks": spans[:repeats],
+        "profile_clocks": spans[repeats] if len(spans) > repeats else None,
         "allocator": timer.allocator,
         "mode": mode,
         "ms": statistics.median(times),
@@ -434,7 +445,18 @@ def fresh_windows(batches, steps):
 
 
 def measure(
-    name, run, batches, warmup, repeats, device, warm_passes=0, plan=None, gaps=False, fresh=0, collector="python"
+    name,
+    run,
+    batches,
+    warmup,
+    repeats,
+    device,
+    warm_passes=0,
+    plan=None,
+    gaps=False,
+    fresh=0,
+    collector="python",
+    clocks=None,
 ):
     """``warm_passes``: passes over the measured batches before timing (graph capture needs each input
     signature, e.g. each token capacity, seen a few times first). ``gaps``: also the GPU's idle time between
@@ -442,7 +464,8 @@ def measure(
     (warm pass, timed window, profile) runs ``fresh`` batches of its own, the next of ``batches[warmup:]``
     (``fresh_windows``), so that no timed step meets a batch, nor likely a token count, met before (as in a
     training run); 0: every window runs all of ``batches[warmup:]``. ``collector``: Python's garbage collector
-    from the end of the warm passes to the end of the profiles (``COLLECTOR_MODES``)."""
+    from the end of the warm passes to the end of the profiles (``COLLECTOR_MODES``). ``clocks``: a running
+    ``gpu_clocks.ClockSampler``, read over each timed window and over the kernel profile."""
     _reset_peak(device)
     run(batches[:warmup])
     passes = window_count(warm_passes, repeats, gaps)
@@ -453,12 +476,14 @@ def measure(
     for _ in range(warm_passes):
         run(next(windows))
     times, records, record_steps, timed_batches = [], None, 0, []
-    window_allocator, window_collector = [], []
+    window_allocator, window_collector, window_clocks = [], [], []
     with collector_mode(collector):
         start = _allocator_calls(device), _collections()
         for _ in range(repeats):
             window = next(windows)
+            began = time.perf_counter()
             ms, extra = timed(run, window, device)
+            window_clocks.append(_clocks_between(clocks, began, time.perf_counter()))
             times.append(ms)
             end = _allocator_calls(device), _collections()
             window_allocator.append(_minus(end[0], start[0]))
@@ -468,7 +493,9 @@ def measure(
             if isinstance(extra, list):  # the engine's task records of this window's steps
                 records, record_steps = extra, len(window)
         measured = next(windows)
+        began = time.perf_counter()
         kernel_ms, kernels = kernels_per_step(run, measured, device)
+        profile_clocks = _clocks_between(clocks, began, time.perf_counter())
         profile = gaps and device.type == "cuda"
         idle = idle_gaps(profile_trace(run, next(windows), device), len(measured)) if profile else None
     allocator = {key: n / len(timed_batches) for key, n in _summed(window_allocator).items()}
@@ -478,6 +505,8 @@ def measure(
         "windows": times,
         "window_allocator": window_allocator,
         "window_collector": window_collector,
+        "window_clocks": window_clocks,
+        "profile_clocks": profile_clocks,
         "allocator": allocator,
         "gaps": idle,
         "mode": name,
@@ -503,19 +532,42 @@ def windows_line(row) -> str:
     it made any (a retry frees every cached block and allocates again, a cost a window of its own shows), and
     the time Python's garbage collector ran in it, with its collections, where it ran (a collection holds the
     GIL: every Python thread of the step waits for it, and a full one scans every object the process made)."""
+    clocks = row.get("window_clocks") or [None] * len(row["windows"])
     windows = ", ".join(
-        f"{ms:.2f}{_window_notes(made, collected)}"
-        for ms, made, collected in zip(row["windows"], row["window_allocator"], row["window_collector"])
+        f"{ms:.2f}{_window_notes(made, collected, clock)}"
+        for ms, made, collected, clock in zip(row["windows"], row["window_allocator"], row["window_collector"], clocks)
     )
     return f"ms per step in each timed window of '{row['mode']}', in order: {windows}"
 
 
-def _window_notes(calls: dict, collected: dict) -> str:
+def _window_notes(calls: dict, collected: dict, clocks: dict | None = None) -> str:
     made = [f"{n} {ALLOCATOR_CALLS[key]}" for key, n in calls.items() if n]
     if collected["collections"]:
         full = f", {collected['full']} full" if collected["full"] else ""
         made.append(f"gc {collected['ms']:.1f} ms, {_collections_text(collected['collections'])}{full}")
+    if clocks:
+        made.append(gpu_clocks.note(clocks))
     return f" ({', '.join(made)})" if made else ""
+
+
+def _clocks_between(clocks, start: float, end: float) -> dict | None:
+    return None if clocks is None else clocks.between(start, end)
+
+
+def clocks_line(row) -> str | None:
+    """The GPU's clock over a row's timed windows together and over its kernel profile (``--clocks``): the
+    kernel time of the table's "kernel ms" ran at the profile's clock, the step at the windows'."""
+    timed = gpu_clocks.merged(row.get("window_clocks") or [])
+    if timed is None:
+        return None
+    profile = row.get("profile_clocks")
+    limits = f"; clock limited by: {', '.join(timed['reasons'])}" if timed["reasons"] else ""
+    least = f", least {timed['min_mhz']:.0f} MHz" if timed["min_mhz"] is not None else ""
+    during = f"; during its kernel profile {gpu_clocks.note(profile)}" if profile else ""
+    return (
+        f"the GPU during the timed windows of '{row['mode']}': {gpu_clocks.note(timed)}{least} "
+        f"({timed['readings']} readings){limits}{during}"
+    )
 
 
 def _collections_text(n: int) -> str:
@@ -635,7 +687,7 @@ def fastest_preset(results, suffix=""):
     return min(rows, key=lambda r: r["ms"])["mode"].removesuffix(suffix) if rows else None
 
 
-def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, shuffler):
+def run_modes(args, sizes, batches, device, autocast, num_items, world, attention, shuffler, clocks=None):
     balance = shuffler != "identity"
     rows = set(args.rows)
     model = optimizer = None
@@ -646,7 +698,9 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
     def measure_(name, run, graphed=False, plan=None, gaps=False):
         fresh = args.steps if args.fresh else 0
         passes = row_warm_passes(args.warm_passes, graphed)
-        return measure(name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh, args.gc)
+        return measure(
+            name, run, batches, args.warmup, args.repeats, device, passes, plan, gaps, fresh, args.gc, clocks
+        )
 
     def user_path(name, nonfinite="raise", model_class=HSTURecommender, **strategy_args):
         return measure_trainer(
@@ -663,6 +717,7 @@ def run_modes(args, sizes, batches, device, autocast, num_items, world, attentio
             nonfinite,
             model_class,
             warm_passes=row_warm_passes(args.warm_passes, bool(strategy_args.get("capture_graphs"))),
+            clocks=clocks,
         )
 
     results = [measure_("plain loop", run_plain(model, optimizer, autocast))] if "plain" in rows else []
@@ -759,6 +814,10 @@ def report(say, results, model, measured, negatives, world, steps, kernels=0, ga
     for r in results:
         if len(r.get("windows", ())) > 1:
             say(windows_line(r))
+    for r in results:
+        line = clocks_line(r)
+        if line:
+            say(line)
     for r in results if kernels else ():
         if r.get("kernels"):
             launches = sum(count for _, _, count in r["kernels"])
@@ -917,6 +976,12 @@ def main():
         "largest differences)",
     )
     parser.add_argument(
+        "--clocks",
+        action="store_true",
+        help="read the GPU's SM clock, power draw and clock-limiting reasons (nvidia-smi, every 50 ms) during "
+        "each row's timed windows and its kernel profile, and print them per window and per row",
+    )
+    parser.add_argument(
         "--pin-threads",
         type=int,
         metavar="CORE",
@@ -1011,47 +1076,56 @@ def main():
         say(f"# garbage collector: {args.gc}, {COLLECTOR_MODES[args.gc]}")
     if args.warm_passes:
         say(f"# {args.warm_passes} untimed pass(es) over the measured batches before each row's timed windows")
-    for workload in args.workloads:
-        sizes = SMALL if args.small else WORKLOADS[workload]
-        windows = window_count(row_warm_passes(args.warm_passes, True), args.repeats, args.gaps) if args.fresh else 1
-        count = args.warmup + args.steps * windows
-        batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
-        tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
-        blocks = itertools.product(
-            args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group
-        )
-        for attention, shuffler, compiled, residual, input_group in blocks:
-            sizes = {
-                **sizes,
-                "compile_layers": compiled == "on",
-                "autocast_residual": residual == "autocast",
-                "input_dist_group": input_group,
-            }
-            say(
-                f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events "
-                f"per batch"
-            )
-            try:
-                results, model = run_modes(
-                    args, sizes, batches, device, autocast, num_items, world, attention, shuffler
-                )
-            except torch.cuda.OutOfMemoryError as error:
-                say(f"out of memory: {str(error).splitlines()[0]}")
-                torch.cuda.empty_cache()
-                continue
-            report(
-                say,
-                results,
-                model,
-                batches[args.warmup :],
-                negatives,
-                world,
-                args.steps,
-                args.kernels,
-                args.gaps,
-                args.fresh,
-            )
+    clocks = contextlib.nullcontext()
+    if args.clocks and device.type == "cuda":
+        clocks = gpu_clocks.ClockSampler(gpu_clocks.nvidia_smi_id(torch.cuda.get_device_properties(device)))
+    elif args.clocks:
+        say("# --clocks: no GPU, no clocks to read")
+    with clocks as sampler:
+        for workload in args.workloads:
+            run_workload(args, workload, device, autocast, num_items, negatives, rank, world, say, sampler)
+    if sampler is not None and sampler.error:
+        say(f"# --clocks: {sampler.error}")
     dist.destroy_process_group()
+
+
+def run_workload(args, workload, device, autocast, num_items, negatives, rank, world, say, clocks):
+    """Every block of ``workload`` (attention, shuffler, compiled layers, residual, input group), each run and
+    reported."""
+    sizes = SMALL if args.small else WORKLOADS[workload]
+    windows = window_count(row_warm_passes(args.warm_passes, True), args.repeats, args.gaps) if args.fresh else 1
+    count = args.warmup + args.steps * windows
+    batches = make_batches(count, 32, sizes["max_len"], num_items, negatives, seed=rank)
+    tokens = statistics.mean(int(b.sequence_lengths().sum()) for b in batches)
+    blocks = itertools.product(args.attention, args.shuffler, args.compile_layers, args.residual, args.input_dist_group)
+    for attention, shuffler, compiled, residual, input_group in blocks:
+        sizes = {
+            **sizes,
+            "compile_layers": compiled == "on",
+            "autocast_residual": residual == "autocast",
+            "input_dist_group": input_group,
+        }
+        say(f"\n## {workload}, {attention} attention, {shuffler} shuffler: {sizes}, mean {tokens:.0f} events per batch")
+        try:
+            results, model = run_modes(
+                args, sizes, batches, device, autocast, num_items, world, attention, shuffler, clocks
+            )
+        except torch.cuda.OutOfMemoryError as error:
+            say(f"out of memory: {str(error).splitlines()[0]}")
+            torch.cuda.empty_cache()
+            continue
+        report(
+            say,
+            results,
+            model,
+            batches[args.warmup :],
+            negatives,
+            world,
+            args.steps,
+            args.kernels,
+            args.gaps,
+            args.fresh,
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import gc
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ import torch
 from ranks import run_script
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import gpu_clocks  # noqa: E402
 import hstu_pipelines  # noqa: E402
 from hstu_pipelines import _StepTimer, windowed  # noqa: E402
 
@@ -105,6 +107,61 @@ def test_each_timed_windows_allocator_calls_and_garbage_collections_are_reported
     )
     per_step = {"num_device_alloc": 12 / 30, "num_device_free": 10 / 30, "num_alloc_retries": 1 / 30}  # 30 timed
     assert result["allocator"] == pytest.approx(per_step)
+
+
+def test_with_clocks_each_timed_window_and_the_kernel_profile_report_the_gpus_clock_in_them(monkeypatch):
+    """``--clocks``: each timed window of a row is read with the clock readings of its own span (not the warm-up's,
+    the other windows' or the profile's), and the row reports the timed windows' clock beside its kernel
+    profile's, whose kernel time the table's "kernel ms" is."""
+    warmup, steps, repeats = 5, 10, 3
+    batches = list(range(warmup + steps))
+    ran, asked = [], []  # when each window ran; the spans the sampler was asked for
+
+    class Sampler:  # the second span asked for held the power cap
+        def between(self, start, end):
+            asked.append((start, end))
+            capped = len(asked) == 2
+            return gpu_clocks.summary(
+                [gpu_clocks.Reading(1800 if capped else 1980, 690 if capped else 300, 4 * capped)]
+            )
+
+    def run(window):
+        ran.append(time.perf_counter())
+
+    monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
+    monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (52.0, run(window)))
+    result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), clocks=Sampler())
+    warm_up, *windows, profile = ran
+    assert len(windows) == repeats and len(asked) == repeats + 1
+    assert warm_up < asked[0][0]
+    assert all(start <= when <= end for when, (start, end) in zip(windows + [profile], asked))
+    assert [w["mean_mhz"] for w in result["window_clocks"]] == [1980, 1800, 1980]
+    assert result["profile_clocks"]["mean_mhz"] == 1980
+    assert hstu_pipelines.windows_line(result) == (
+        "ms per step in each timed window of 'row', in order: 52.00 (SM 1980 MHz, 300 W, power-capped 0%), "
+        "52.00 (SM 1800 MHz, 690 W, power-capped 100%), 52.00 (SM 1980 MHz, 300 W, power-capped 0%)"
+    )
+    assert hstu_pipelines.clocks_line(result) == (
+        "the GPU during the timed windows of 'row': SM 1920 MHz, 430 W, power-capped 33%, least 1800 MHz "
+        "(3 readings); clock limited by: power cap; during its kernel profile SM 1980 MHz, 300 W, power-capped 0%"
+    )
+    without = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"))
+    assert without["window_clocks"] == [None] * repeats and hstu_pipelines.clocks_line(without) is None
+
+
+def test_a_user_path_rows_timer_keeps_the_span_of_each_timed_window_and_of_the_profiled_one():
+    """The spans ``--clocks`` reads a user's-path row's clock over: one per timed window, then the profiled
+    window's, in order, none overlapping."""
+    warmup, steps, repeats = 5, 10, 3
+    data, timed_from = windowed(list(range(warmup + steps)), warmup, repeats)
+    timer = _StepTimer(timed_from, steps, repeats, torch.device("cpu"))
+    for index in range(len(data)):
+        timer.on_train_batch_start(None, None, data[index], index)
+    timer.on_train_end(None, None)
+    assert len(timer.times) == repeats and len(timer.spans) == repeats + 1
+    ends = [end for _, end in timer.spans]
+    assert all(start <= end for start, end in timer.spans)
+    assert all(end <= start for end, (start, _) in zip(ends, timer.spans[1:]))
 
 
 def test_the_garbage_collections_counted_are_pythons_own():
