@@ -979,7 +979,7 @@ def main():
         "--clocks",
         action="store_true",
         help="read the GPU's SM clock, power draw and clock-limiting reasons (nvidia-smi, every 50 ms) during "
-        "each row's timed windows and its kernel profile, and print them per window and per row",
+        "each row's timed windows and its kernel profile, and print them per window and per row (rank 0's GPU)",
     )
     parser.add_argument(
         "--pin-threads",
