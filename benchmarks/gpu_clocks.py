@@ -11,6 +11,7 @@ time of one code is not one number.
         print(clocks.between(start, end))   # {"readings": 11, "mean_mhz": 1885.0, "capped": 0.82, ...}
 """
 
+import signal
 import subprocess
 import threading
 import time
@@ -98,29 +99,6 @@ def summary(readings: list[Reading]) -> dict | None:
     }
 
 
-def merged(windows: list[dict | None]) -> dict | None:
-    """Several windows' ``summary`` as one window's: means weighted by their readings; None without readings."""
-    windows = [w for w in windows if w]
-    if not windows:
-        return None
-
-    def mean(key):
-        weighted = [(w[key], w["readings"]) for w in windows if w[key] is not None]
-        total = sum(n for _, n in weighted)
-        return sum(value * n for value, n in weighted) / total if total else None
-
-    least = [w["min_mhz"] for w in windows if w["min_mhz"] is not None]
-    reasons = {name for w in windows for name in w["reasons"]}
-    return {
-        "readings": sum(w["readings"] for w in windows),
-        "mean_mhz": mean("mean_mhz"),
-        "min_mhz": min(least) if least else None,
-        "watts": mean("watts"),
-        "capped": mean("capped"),
-        "reasons": [name for name in REASONS.values() if name in reasons],
-    }
-
-
 def note(window: dict | None) -> str:
     """A window's summary in a few words: "SM 1885 MHz, 684 W, power-capped 82%"; "" without readings."""
     if not window:
@@ -179,7 +157,7 @@ class ClockSampler:
             process.kill()
             process.wait()
         self._reader.join()
-        if process.returncode not in (0, -15) and self.error is None:  # -15: the SIGTERM above
+        if process.returncode not in (0, -signal.SIGTERM) and self.error is None:  # killed by the SIGTERM above
             self.error = f"{self.command[0]} exited with {process.returncode}: {process.stderr.read().strip()}"
         process.stderr.close()
 
@@ -193,6 +171,11 @@ class ClockSampler:
 
     def between(self, start: float, end: float) -> dict | None:
         """``summary`` of the readings that arrived between two ``time.perf_counter()`` values."""
+        return self.during([(start, end)])
+
+    def during(self, spans: list[tuple[float, float]]) -> dict | None:
+        """``summary`` of the readings that arrived inside any of ``spans`` (pairs of ``time.perf_counter()``
+        values): several windows read as one."""
         with self._lock:
-            inside = [reading for at, reading in self.readings if start <= at <= end]
+            inside = [reading for at, reading in self.readings if any(start <= at <= end for start, end in spans)]
         return summary(inside)

@@ -226,9 +226,13 @@ class _StepTimer(pl.Callback):
 
     def __init__(self, warmup, steps, repeats, device):
         self.warmup, self.steps, self.repeats, self.device = warmup, steps, repeats, device
-        self.times, self.kernel_ms, self._start, self._profiler = [], None, None, None
-        self.spans = []
+        self.spans, self.kernel_ms, self._start, self._profiler = [], None, None, None
         self.allocator, self._allocator_before = {}, None
+
+    @property
+    def times(self) -> list[float]:
+        """Each timed window's ms per step."""
+        return [(end - start) * 1e3 / self.steps for start, end in self.spans[: self.repeats]]
 
     def _edge(self, batch_idx):
         done = batch_idx - self.warmup
@@ -238,9 +242,7 @@ class _StepTimer(pl.Callback):
         if self._edge(batch_idx):
             _sync(self.device)
             if self._start is not None:
-                now = time.perf_counter()
-                self.times.append((now - self._start) * 1e3 / self.steps)
-                self.spans.append((self._start, now))
+                self.spans.append((self._start, time.perf_counter()))
             if self._start is None:
                 self._allocator_before = _allocator_calls(self.device)
             elif len(self.times) == self.repeats and not self.allocator:
@@ -252,7 +254,7 @@ class _StepTimer(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         _sync(self.device)
-        if self._start is not None and len(self.spans) == len(self.times):
+        if self._start is not None and len(self.spans) <= self.repeats:
             self.spans.append((self._start, time.perf_counter()))  # the profiled window
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
@@ -371,10 +373,9 @@ def measure_trainer(
     _reset_peak(device)
     trainer.fit(model, _Batches(data, num_items))
     times = timer.times[:repeats]
-    spans = [_clocks_between(clocks, start, end) for start, end in timer.spans]
+    timed_spans, profiled_span = timer.spans[:repeats], timer.spans[repeats : repeats + 1]
     return {
-        "window_clocks": spans[:repeats],
-        "profile_clocks": spans[repeats] if len(spans) > repeats else None,
+        **_clocks_of(clocks, timed_spans, profiled_span),
         "allocator": timer.allocator,
         "mode": mode,
         "ms": statistics.median(times),
@@ -476,14 +477,14 @@ def measure(
     for _ in range(warm_passes):
         run(next(windows))
     times, records, record_steps, timed_batches = [], None, 0, []
-    window_allocator, window_collector, window_clocks = [], [], []
+    window_allocator, window_collector, spans = [], [], []
     with collector_mode(collector):
         start = _allocator_calls(device), _collections()
         for _ in range(repeats):
             window = next(windows)
             began = time.perf_counter()
             ms, extra = timed(run, window, device)
-            window_clocks.append(_clocks_between(clocks, began, time.perf_counter()))
+            spans.append((began, time.perf_counter()))
             times.append(ms)
             end = _allocator_calls(device), _collections()
             window_allocator.append(_minus(end[0], start[0]))
@@ -495,7 +496,7 @@ def measure(
         measured = next(windows)
         began = time.perf_counter()
         kernel_ms, kernels = kernels_per_step(run, measured, device)
-        profile_clocks = _clocks_between(clocks, began, time.perf_counter())
+        profiled_span = [(began, time.perf_counter())]
         profile = gaps and device.type == "cuda"
         idle = idle_gaps(profile_trace(run, next(windows), device), len(measured)) if profile else None
     allocator = {key: n / len(timed_batches) for key, n in _summed(window_allocator).items()}
@@ -505,8 +506,7 @@ def measure(
         "windows": times,
         "window_allocator": window_allocator,
         "window_collector": window_collector,
-        "window_clocks": window_clocks,
-        "profile_clocks": profile_clocks,
+        **_clocks_of(clocks, spans, profiled_span),
         "allocator": allocator,
         "gaps": idle,
         "mode": name,
@@ -550,14 +550,22 @@ def _window_notes(calls: dict, collected: dict, clocks: dict | None = None) -> s
     return f" ({', '.join(made)})" if made else ""
 
 
-def _clocks_between(clocks, start: float, end: float) -> dict | None:
-    return None if clocks is None else clocks.between(start, end)
+def _clocks_of(clocks, timed_spans: list, profiled_span: list) -> dict:
+    """A row's clock readings (``--clocks``: ``clocks`` a ``gpu_clocks.ClockSampler``, else None): each timed
+    window's, the timed windows' together, and the kernel profile's (``profiled_span``: its span, or none)."""
+    if clocks is None:
+        return {"window_clocks": [None] * len(timed_spans), "timed_clocks": None, "profile_clocks": None}
+    return {
+        "window_clocks": [clocks.between(start, end) for start, end in timed_spans],
+        "timed_clocks": clocks.during(timed_spans),
+        "profile_clocks": clocks.during(profiled_span) if profiled_span else None,
+    }
 
 
 def clocks_line(row) -> str | None:
     """The GPU's clock over a row's timed windows together and over its kernel profile (``--clocks``): the
     kernel time of the table's "kernel ms" ran at the profile's clock, the step at the windows'."""
-    timed = gpu_clocks.merged(row.get("window_clocks") or [])
+    timed = row.get("timed_clocks")
     if timed is None:
         return None
     profile = row.get("profile_clocks")

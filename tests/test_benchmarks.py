@@ -115,28 +115,26 @@ def test_with_clocks_each_timed_window_and_the_kernel_profile_report_the_gpus_cl
     profile's, whose kernel time the table's "kernel ms" is."""
     warmup, steps, repeats = 5, 10, 3
     batches = list(range(warmup + steps))
-    ran, asked = [], []  # when each window ran; the spans the sampler was asked for
-
-    class Sampler:  # the second span asked for held the power cap
-        def between(self, start, end):
-            asked.append((start, end))
-            capped = len(asked) == 2
-            return gpu_clocks.summary(
-                [gpu_clocks.Reading(1800 if capped else 1980, 690 if capped else 300, 4 * capped)]
-            )
+    sampler = gpu_clocks.ClockSampler()  # not started: each window below adds the reading that arrived in it
+    arriving = iter(
+        [
+            gpu_clocks.Reading(1000, 100, 0x4),  # the warm-up's, in no window
+            gpu_clocks.Reading(1980, 300, 0),
+            gpu_clocks.Reading(1800, 690, 0x4),  # the second timed window held the power cap
+            gpu_clocks.Reading(1980, 300, 0),
+            gpu_clocks.Reading(1980, 300, 0),  # the kernel profile's
+        ]
+    )
 
     def run(window):
-        ran.append(time.perf_counter())
+        sampler.readings.append((time.perf_counter(), next(arriving)))
 
     monkeypatch.setattr(hstu_pipelines, "kernels_per_step", lambda run, window, device: (run(window), (None, []))[1])
     monkeypatch.setattr(hstu_pipelines, "timed", lambda run, window, device: (52.0, run(window)))
-    result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), clocks=Sampler())
-    warm_up, *windows, profile = ran
-    assert len(windows) == repeats and len(asked) == repeats + 1
-    assert warm_up < asked[0][0]
-    assert all(start <= when <= end for when, (start, end) in zip(windows + [profile], asked))
+    result = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"), clocks=sampler)
+    assert [w["readings"] for w in result["window_clocks"]] == [1] * repeats
     assert [w["mean_mhz"] for w in result["window_clocks"]] == [1980, 1800, 1980]
-    assert result["profile_clocks"]["mean_mhz"] == 1980
+    assert result["profile_clocks"]["readings"] == 1 and result["profile_clocks"]["mean_mhz"] == 1980
     assert hstu_pipelines.windows_line(result) == (
         "ms per step in each timed window of 'row', in order: 52.00 (SM 1980 MHz, 300 W, power-capped 0%), "
         "52.00 (SM 1800 MHz, 690 W, power-capped 100%), 52.00 (SM 1980 MHz, 300 W, power-capped 0%)"
@@ -145,7 +143,7 @@ def test_with_clocks_each_timed_window_and_the_kernel_profile_report_the_gpus_cl
         "the GPU during the timed windows of 'row': SM 1920 MHz, 430 W, power-capped 33%, least 1800 MHz "
         "(3 readings); clock limited by: power cap; during its kernel profile SM 1980 MHz, 300 W, power-capped 0%"
     )
-    without = hstu_pipelines.measure("row", run, batches, warmup, repeats, torch.device("cpu"))
+    without = hstu_pipelines.measure("row", lambda window: None, batches, warmup, repeats, torch.device("cpu"))
     assert without["window_clocks"] == [None] * repeats and hstu_pipelines.clocks_line(without) is None
 
 

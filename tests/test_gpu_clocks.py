@@ -39,10 +39,14 @@ def test_a_windows_summary_reports_the_clock_the_power_and_the_share_held_at_the
     assert gpu_clocks.summary([]) is None and gpu_clocks.note(None) == ""
 
 
-def test_windows_merged_weigh_each_by_its_readings():
-    one = gpu_clocks.summary([Reading(1980, 100, 0)])
-    three = gpu_clocks.summary([Reading(1800, 700, 0x4)] * 3)
-    both = gpu_clocks.merged([one, None, three])
+def test_several_windows_read_as_one_count_every_reading_inside_them_and_none_outside():
+    sampler = ClockSampler()  # not started: its readings set by hand, each with its arrival time
+    sampler.readings = [
+        (1.0, Reading(1980, 100, 0)),
+        (2.5, Reading(1000, 50, 0x1)),  # between the two windows
+        *[(3.0 + i / 10, Reading(1800, 700, 0x4)) for i in range(3)],
+    ]
+    both = sampler.during([(0.5, 1.5), (3.0, 4.0)])
     assert both == {
         "readings": 4,
         "mean_mhz": pytest.approx((1980 + 3 * 1800) / 4),
@@ -51,7 +55,8 @@ def test_windows_merged_weigh_each_by_its_readings():
         "capped": 0.75,
         "reasons": ["power cap"],
     }
-    assert gpu_clocks.merged([None, None]) is None
+    assert sampler.between(0.5, 1.5)["readings"] == 1
+    assert sampler.during([(5.0, 6.0)]) is None and sampler.during([]) is None
 
 
 def _printer(lines, then="sleep"):
