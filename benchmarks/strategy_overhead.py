@@ -16,8 +16,9 @@ Prints per mode the median over repeats of the us per step (each repeat a fresh 
 ``--warmup`` steps of each are not timed), their spread, and the difference to the plain loop. With
 ``--devices N`` (N > 1) every mode runs on N gloo ranks that Lightning's launcher starts (rank 0 prints;
 the plain loop and the single-device loop are left out, the differences are to Lightning's DDP loop). With
-``--every-hook`` the user's path rows also run with every per-batch hook dispatched, as Lightning's loop
-dispatches them (the epoch loop skips those that nothing overrides: ``loops/hook_calls.py``).
+``--every-hook`` the user's path rows also run with Lightning's own hook dispatchers, every per-batch hook
+dispatched through them as Lightning's loop does (without ``loops/hook_calls.py``: the epoch loop skips the
+hooks that nothing overrides and makes the other calls without Lightning's log line and profiler section).
 """
 
 import argparse
@@ -151,7 +152,8 @@ def trainer_us(
 
 
 def _every_hook(run):
-    """``run`` with the epoch loop dispatching every per-batch hook, as Lightning's loop does."""
+    """``run`` with the epoch loop dispatching every per-batch hook through Lightning's dispatchers, as
+    Lightning's loop does."""
 
     def every_hook():
         skipping = epoch_loop.skipping_idle_hooks
@@ -179,8 +181,8 @@ def main():
     parser.add_argument(
         "--every-hook",
         action="store_true",
-        help="the user's path rows also with every per-batch hook dispatched (without the epoch loop's skipping of "
-        "the hooks that nothing overrides, loops/hook_calls.py)",
+        help="the user's path rows also with every per-batch hook dispatched through Lightning's dispatchers (without "
+        "the epoch loop's own, loops/hook_calls.py)",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and on the process group, every fit
