@@ -638,10 +638,15 @@ class _Collections:
         return {"collections": self.collections, "full": self.full, "ms": self.ms}
 
 
-_COLLECTIONS = _Collections()
+_COLLECTIONS: _Collections | None = None
 
 
 def _collections() -> dict:
+    """The collections so far, counted from the first read: the counter goes into ``gc.callbacks`` then, not when
+    this module is imported (the tests and the other benchmarks import it), and the windows read differences."""
+    global _COLLECTIONS
+    if _COLLECTIONS is None:
+        _COLLECTIONS = _Collections()
     return _COLLECTIONS.read()
 
 

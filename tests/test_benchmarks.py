@@ -5,6 +5,7 @@ path's cost, not the batches' lengths), and its CPU run times every mode."""
 
 import gc
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -65,6 +66,22 @@ def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
         assert all(window == batches[warmup:] for window in ran[1:])
         assert result["timed"] == batches[warmup:] * repeats
     assert result["windows"] == [float(1 + warm_passes + i) for i in range(repeats)]  # each timed window's ms
+
+
+def test_garbage_collections_are_counted_from_the_first_read_and_not_hooked_into_gc_at_import():
+    """Importing the benchmark (the tests and the other benchmarks do) leaves ``gc.callbacks`` alone; its counter
+    goes in at the first read, and counts each collection after it, a full one as full."""
+    script = "import gc, sys; n = len(gc.callbacks); import hstu_pipelines; print(len(gc.callbacks) - n)"
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    added = subprocess.run(
+        [sys.executable, "-c", script], cwd=benchmarks, capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    assert added == "0"
+    before = hstu_pipelines._collections()
+    gc.collect()
+    gc.collect(0)
+    after = hstu_pipelines._collections()
+    assert after["collections"] - before["collections"] >= 2 and after["full"] - before["full"] >= 1
 
 
 def test_each_timed_windows_allocator_calls_and_garbage_collections_are_reported_beside_its_time(monkeypatch):
