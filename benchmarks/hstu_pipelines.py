@@ -42,6 +42,7 @@ import itertools
 import os
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -1100,6 +1101,13 @@ def main():
     if sampler is not None and sampler.error:
         say(f"# --clocks: {sampler.error}")
     dist.destroy_process_group()
+    if world > 1:
+        # Each rank ends here, so that torchrun's exit status is the run's: left to the interpreter's exit, gloo's
+        # threads can abort a rank whose run succeeded (exit code -6, docs/reliability.md), and torchrun then
+        # reports the job failed and stops the other ranks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_workload(args, workload, device, autocast, num_items, negatives, rank, world, say, clocks):

@@ -353,6 +353,29 @@ def test_the_allocator_calls_of_a_users_path_row_are_those_of_its_timed_windows(
     assert timer.allocator == {"num_device_alloc": 1.0, "num_device_free": 2.0, "num_alloc_retries": 0.0}
 
 
+def test_the_benchmark_on_two_ranks_prints_its_tables_and_exits_with_the_runs_status():
+    """``torchrun --nproc-per-node 2 hstu_pipelines.py``, as on a machine with two GPUs (here two gloo ranks on the
+    CPU): rank 0 prints each shuffler's table with the global samples/s, and the launch exits with 0 (each rank
+    ends itself once its groups are destroyed, as gloo's threads can abort a successful rank at the
+    interpreter's exit)."""
+    import torch.distributed.run as torchrun
+
+    script = Path(__file__).parents[1] / "benchmarks" / "hstu_pipelines.py"
+    args = ["--nproc-per-node", "2", script, "--small", "--workloads", "light", "--rows", "plain", "user"]
+    args += ["--presets", "legacy_none", "--user-rows", "presets", "--shuffler", "balanced", "identity"]
+    args += ["--steps", "2", "--warmup", "1", "--repeats", "1"]
+    run = run_script(Path(torchrun.__file__), script.parent, *args, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("\nmode ") == 2  # one table per shuffler, printed once (by rank 0)
+    notes = ("ms per step in each timed window of ", "Python's garbage collector during the timed steps of ")
+    for table in run.stdout.split("\nmode ")[1:]:
+        lines = table.split("\n\n", 1)[0].splitlines()[1:]
+        rows = {line[:25].strip(): line[25:].split() for line in lines if not line.startswith(notes)}
+        assert set(rows) == {"plain loop", "legacy_none"}
+        for samples, everyone in (row[3:5] for row in rows.values()):  # rank 0's samples/s and the global one
+            assert float(everyone) > float(samples) > 0
+
+
 def test_the_benchmark_times_every_mode_at_its_cpu_sizes():
     """``hstu_pipelines.py --small``, the CPU run of the benchmark's commands: one row per mode (the plain loop,
     each preset through Engine and through the Trainer, the loss check, Lightning's loop, TorchRec's
