@@ -71,7 +71,7 @@ def test_fresh_windows_run_batches_no_window_ran_before(fresh, monkeypatch):
 def test_garbage_collections_are_counted_from_the_first_read_and_not_hooked_into_gc_at_import():
     """Importing the benchmark (the tests and the other benchmarks do) leaves ``gc.callbacks`` alone; its counter
     goes in at the first read, and counts each collection after it, a full one as full."""
-    script = "import gc, sys; n = len(gc.callbacks); import hstu_pipelines; print(len(gc.callbacks) - n)"
+    script = "import gc; n = len(gc.callbacks); import hstu_pipelines; print(len(gc.callbacks) - n)"
     benchmarks = Path(__file__).parents[1] / "benchmarks"
     added = subprocess.run(
         [sys.executable, "-c", script], cwd=benchmarks, capture_output=True, text=True, check=True
