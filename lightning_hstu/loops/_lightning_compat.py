@@ -45,6 +45,7 @@ MIRRORED = {
     "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector._sigterm_notifier_fn": "5f73424dfc7ee25a516a0b4cc29e5872550ea2f9b90490f508e6493364d4665b",
     "lightning.pytorch.trainer.call:_call_callback_hooks": "c413fb9a6a9ce1a31d0c48ce381076ae9113f5db9862e5a5c58e95c7282ba2f3",
     "lightning.pytorch.trainer.call:_call_lightning_module_hook": "558a87d04c4680e11dedd13657c37abf63e2da69ec5721e1cc330b6b699c2d8c",
+    "lightning.pytorch.trainer.call:_call_strategy_hook": "ff429e3ac60d2a80e8e770fb77ceef59766a2a90521b5d0062a82813d279b8db",
 }
 """``module:qualified.name`` -> SHA-256 of its source in the tested release."""
 

@@ -21,7 +21,8 @@ loop's trainer when its profiler is Lightning's ``PassThroughProfiler`` (which r
 
 Any other call goes to Lightning's dispatcher unchanged: another trainer's, one with a profiler (so that its
 report lists every hook as under Lightning's loop), one while Lightning's ``call`` logger logs debug lines,
-and a callback call restricted to the monitoring callbacks or to the others.
+and a callback call restricted to the monitoring callbacks or to the others. The three Lightning dispatchers
+mirrored here are in ``_lightning_compat.MIRRORED``: a Lightning whose dispatchers changed fails that check.
 """
 
 import contextlib
