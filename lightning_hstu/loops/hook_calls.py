@@ -84,18 +84,17 @@ def _set_fx_name(module: "pl.LightningModule", name: str | None) -> None:
 def _callback_hooks(trainer, hook_name, *args, monitoring_callbacks=None, **kwargs):
     if monitoring_callbacks is not None or not _fast(trainer):
         return _lightning_callback_hooks(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs)
-    callbacks = trainer.callbacks
+    hooks = [getattr(callback, hook_name) for callback in trainer.callbacks]
     if hook_name in IDLE_BY_DEFAULT:
         default = getattr(pl.Callback, hook_name)
-        callbacks = [callback for callback in callbacks if not _is_default(getattr(callback, hook_name), default)]
-        if not callbacks:
+        hooks = [fn for fn in hooks if not _is_default(fn, default)]
+        if not hooks:
             return None
     module = trainer.lightning_module
     if module:
         previous = module._current_fx_name
         _set_fx_name(module, hook_name)
-    for callback in callbacks:
-        fn = getattr(callback, hook_name)
+    for fn in hooks:
         if callable(fn):
             fn(trainer, trainer.lightning_module, *args, **kwargs)
     if module:
