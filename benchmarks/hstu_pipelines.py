@@ -246,9 +246,9 @@ class _StepTimer(pl.Callback):
                 self.spans.append((self._start, time.perf_counter()))
             if self._start is None:
                 self._allocator_before = _allocator_calls(self.device)
-            elif len(self.times) == self.repeats and not self.allocator:
+            elif len(self.spans) == self.repeats and not self.allocator:
                 self.allocator = _allocator_calls_since(self._allocator_before, self.device, self.repeats * self.steps)
-            if len(self.times) == self.repeats and self._profiler is None and self.device.type == "cuda":
+            if len(self.spans) == self.repeats and self._profiler is None and self.device.type == "cuda":
                 self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self._profiler.__enter__()
             self._start = time.perf_counter()
@@ -373,7 +373,7 @@ def measure_trainer(
     trainer = user_path_trainer(strategy, device, len(data), [timer, recorder])
     _reset_peak(device)
     trainer.fit(model, _Batches(data, num_items))
-    times = timer.times[:repeats]
+    times = timer.times
     timed_spans, profiled_span = timer.spans[:repeats], timer.spans[repeats : repeats + 1]
     return {
         **_clocks_of(clocks, timed_spans, profiled_span),
